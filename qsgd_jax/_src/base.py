@@ -1,0 +1,175 @@
+"""The compressor interface and the payload it puts on the wire."""
+
+import abc
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["packed", "scales"],
+    meta_fields=["shape", "dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class Payload:
+  """What a compressor sends for one array.
+
+  Attributes:
+    packed: the codes, bit-packed into ``uint32`` words by the quantizers; the
+      values themselves for :class:`~qsgd_jax.Cast` and
+      :class:`~qsgd_jax.Identity`.
+    scales: ``float32[num_buckets, num_scales]``, what each bucket needs to
+      turn its codes back into values (empty for the baselines).
+    shape: static shape of the encoded array.
+    dtype: static dtype of the encoded array; ``decode`` returns it.
+  """
+
+  packed: jax.Array
+  scales: jax.Array
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+def payload_bits(payload: Payload) -> int:
+  """Bits the payload's arrays occupy, from their static shapes and dtypes."""
+  arrays = (payload.packed, payload.scales)
+  return 8 * sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in arrays)
+
+
+class Compressor(abc.ABC):
+  """A pure, stateless map from an array to a compact :class:`Payload` and back.
+
+  Subclasses are frozen dataclasses, hashable and usable as static arguments of
+  ``jax.jit``. ``encode`` and ``decode`` are pure functions of their inputs and
+  work under ``jit`` and ``vmap``.
+
+  Attributes:
+    unbiased: whether ``E[decode(encode(key, x))] = x`` over keys.
+    deterministic: whether ``encode`` ignores ``key``.
+  """
+
+  unbiased: bool = False
+  deterministic: bool = False
+
+  @abc.abstractmethod
+  def encode(self, key: jax.Array, x: jax.Array) -> Payload:
+    """Compresses ``x`` (any shape, a float dtype) with the PRNG ``key``."""
+
+  @abc.abstractmethod
+  def decode(self, payload: Payload) -> jax.Array:
+    """Reconstructs an array of ``payload.shape`` and ``payload.dtype``."""
+
+  def wire_bits(self, shape: tuple[int, ...], dtype=jnp.float32) -> int:
+    """Exact bits that ``encode`` of an array of ``shape`` and ``dtype`` occupies.
+
+    Computed from the payload's static shapes (no data is touched), so it is
+    a Python int usable for accounting inside traced code.
+    """
+    return _wire_bits(self, tuple(shape), np.dtype(dtype))
+
+
+class SharedScaleCompressor(Compressor):
+  """A compressor whose codes are integers against per-bucket scales.
+
+  Devices that agree on the scales can add their integer codes in one
+  integer ``psum`` and decode the sum: the ``"psum"`` method of
+  :func:`qsgd_jax.quantized_psum`. ``encode`` is ``integer_codes`` against
+  ``local_scales``, bit-packed.
+
+  Attributes:
+    scale_reductions: for each scale column, ``"max"`` or ``"min"``: how
+      devices merge their local scales into a shared one that every device's
+      values fit.
+  """
+
+  scale_reductions: tuple[str, ...] = ()
+
+  @property
+  @abc.abstractmethod
+  def code_range(self) -> tuple[int, int]:
+    """The smallest and largest integer code."""
+
+  @abc.abstractmethod
+  def local_scales(self, x: jax.Array) -> jax.Array:
+    """``float32[num_buckets, len(scale_reductions)]`` of ``x`` alone."""
+
+  @abc.abstractmethod
+  def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
+    """``int32[x.size]`` codes of ``x`` (flattened) against ``scales``."""
+
+  @abc.abstractmethod
+  def decode_code_sum(self, total: jax.Array, scales: jax.Array, count: int,
+                      shape: tuple[int, ...]) -> jax.Array:
+    """float32 values of ``shape`` from the sum of ``count`` devices' codes."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_bits(compressor: Compressor, shape: tuple[int, ...], dtype: np.dtype) -> int:
+  payload = jax.eval_shape(
+      compressor.encode, jax.random.key(0), jax.ShapeDtypeStruct(shape, dtype)
+  )
+  return payload_bits(payload)
+
+
+def as_key(key: jax.Array | int) -> jax.Array:
+  """A typed PRNG key from an int seed, a typed key, or a raw ``uint32[2]`` key."""
+  if isinstance(key, int):
+    return jax.random.key(key)
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  if key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
+    return jax.random.wrap_key_data(key)
+  raise TypeError(f"key must be a PRNG key or an int seed, got {key.dtype}{list(key.shape)}.")
+
+
+def as_float32(x: jax.Array, owner: str) -> jax.Array:
+  """``x`` in float32, or a ``TypeError`` naming ``owner`` if it is not float."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{owner} expects a floating-point array, got dtype {x.dtype}.")
+  return x.astype(jnp.float32)
+
+
+def check_bucket_size(owner: str, bucket_size: int | None) -> None:
+  """Raises ``ValueError`` unless ``bucket_size`` is None or a positive int."""
+  if bucket_size is not None and (
+      not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size <= 0
+  ):
+    raise ValueError(f"{owner}: bucket_size must be a positive int or None, got {bucket_size!r}.")
+
+
+def check_int_in_range(owner: str, name: str, value, low: int, high: int) -> None:
+  """Raises ``ValueError`` unless ``low <= value <= high`` is an int."""
+  if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    raise ValueError(f"{owner}: {name} must be an int in [{low}, {high}], got {value!r}.")
+
+
+def to_buckets(flat: jax.Array, bucket_len: int, mode: str = "constant") -> jax.Array:
+  """Views a vector as ``[num_buckets, bucket_len]``, padding the last bucket.
+
+  Args:
+    flat: vector of ``n`` elements.
+    bucket_len: static bucket length, at least 1.
+    mode: ``jnp.pad`` mode for the padding; ``"constant"`` pads zeros,
+      ``"edge"`` repeats the last element (so minima and maxima keep).
+
+  Returns:
+    ``[ceil(n / bucket_len), bucket_len]``.
+  """
+  n = flat.shape[0]
+  num_buckets = -(-n // bucket_len)
+  pad = num_buckets * bucket_len - n
+  if pad and n:
+    flat = jnp.pad(flat, (0, pad), mode=mode)
+  return flat.reshape(num_buckets, bucket_len)
+
+
+def from_buckets(buckets: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`to_buckets`: drops padding and restores ``shape``."""
+  return buckets.reshape(-1)[: math.prod(shape)].reshape(shape)
