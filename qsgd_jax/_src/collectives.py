@@ -28,6 +28,7 @@ Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
 """
 
+import itertools
 import math
 from typing import Literal, NamedTuple
 
@@ -344,10 +345,9 @@ def _all_gather_flat(chunks: list[jax.Array], axes: tuple[str, ...], sizes) -> l
 
 
 def _split(x: jax.Array, lengths: list[int], axis: int = 0) -> list[jax.Array]:
-  bounds = [0]
-  for length in lengths:
-    bounds.append(bounds[-1] + length)
-  return [jax.lax.slice_in_dim(x, lo, hi, axis=axis) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+  starts = itertools.accumulate(lengths, initial=0)
+  return [jax.lax.slice_in_dim(x, start, start + length, axis=axis)
+          for start, length in zip(starts, lengths, strict=False)]
 
 
 def _local_error_leaf(error: jax.Array, shape, inner: tuple[str, ...], size: int) -> jax.Array:

@@ -1,5 +1,6 @@
 """optax transformations that average gradients with a quantized all-reduce."""
 
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -24,8 +25,10 @@ class CompressionStats(NamedTuple):
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
     elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
       every payload were Elias-coded (the smaller of the sparse and dense
-      variants per bucket), estimated from this device's first-phase
-      payloads; NaN for other compressors or when not tracked.
+      variants per bucket), estimated from each device's first-phase
+      payloads and averaged over the axis (one scalar ``pmean``, not
+      counted in ``wire_bits``); NaN for other compressors or when not
+      tracked.
   """
 
   wire_bits: jax.Array
@@ -44,10 +47,10 @@ class CompressedAllReduceState(NamedTuple):
     local_error: per device, a tuple with one ``float32[leaf.size]`` a
       gradient leaf: the residual of the device's own compressed gradient
       (empty tuple without worker error feedback).
-    chunk_error: per device, a tuple with one ``float32[piece]`` a leaf: the
-      residual of re-quantizing the chunk the device owns (empty tuple
-      without owner error feedback; ``float32[0]`` for leaves sent in full
-      precision).
+    chunk_error: per device, a tuple with one ``float32[piece]`` a leaf sent
+      compressed (leaves sent in full precision have none): the residual of
+      re-quantizing the chunk the device owns (empty tuple without owner
+      error feedback).
     stats: the last step's :class:`CompressionStats`.
   """
 
@@ -86,8 +89,8 @@ def compressed_allreduce(
   * ``"both"``: the two together.
 
   Under ``shard_map`` the residuals differ per device while everything else
-  is replicated; :func:`state_partition_specs` gives the ``PartitionSpec``
-  tree. The pattern::
+  is replicated; :func:`~qsgd_jax.state_partition_specs` gives the
+  ``PartitionSpec`` tree. The pattern::
 
     shapes = jax.eval_shape(tx.init, params)
     specs = qsgd_jax.state_partition_specs(shapes, "batch")
@@ -169,7 +172,9 @@ def compressed_allreduce(
           params, axis_name, compressor, min_compressed_size=min_compressed_size,
           axis_sizes=_axis_sizes(axis_name, axis_size),
       )
-      chunk_error = tuple(jnp.zeros(s.shape, s.dtype) for s in jax.tree.leaves(shapes))
+      # Leaves sent in full precision have empty residuals; orbax cannot save empty arrays.
+      chunk_error = tuple(
+          jnp.zeros(s.shape, s.dtype) for s in jax.tree.leaves(shapes) if s.shape != (0,))
     nan = jnp.full((), jnp.nan, jnp.float32)
     return CompressedAllReduceState(
         key=base.as_key(key),
@@ -184,6 +189,8 @@ def compressed_allreduce(
     _check_bound(axis_name)
     next_key, step_key = jax.random.split(state.key)
     treedef = jax.tree.structure(updates)
+    is_compressed = [math.prod(jnp.shape(leaf)) >= min_compressed_size
+                     for leaf in jax.tree.leaves(updates)]
     full_bits = collectives.float32_allreduce_bits(updates, axis_name)
 
     def compressed(_):
@@ -191,23 +198,31 @@ def compressed_allreduce(
           updates, axis_name, compressor, step_key, mean=True,
           local_error=(jax.tree.unflatten(treedef, state.local_error)
                        if worker_feedback else None),
-          chunk_error=state.chunk_error if owner_feedback else None,
+          chunk_error=(_with_empty(state.chunk_error, is_compressed)
+                       if owner_feedback else None),
           **reduce_options,
       )
       wire_bits = collectives.wire_bits(updates, axis_name, compressor, **reduce_options)
       elias_bits = jnp.full((), jnp.nan, jnp.float32)
       if elias_compressor is not None:
-        elias_bits = _elias_wire_bits(updates, elias_compressor, step_key, wire_bits,
-                                      min_compressed_size)
+        # Each device estimates from its own payloads; the mean is the same everywhere.
+        elias_bits = jax.lax.pmean(
+            _elias_wire_bits(updates, elias_compressor, step_key, wire_bits,
+                             min_compressed_size),
+            axis_name)
       local_error = tuple(e.reshape(-1) for e in jax.tree.leaves(out.local_error)) if (
           worker_feedback) else ()
-      chunk_error = out.chunk_error if owner_feedback else ()
-      return out.tree, local_error, chunk_error, _stats(wire_bits, full_bits, elias_bits)
+      chunk_error = tuple(
+          e for e, kept in zip(out.chunk_error, is_compressed, strict=True) if kept
+      ) if owner_feedback else ()
+      return (out.tree, _per_device(local_error, axis_name), _per_device(chunk_error, axis_name),
+              _stats(wire_bits, full_bits, elias_bits))
 
     def full_precision(_):
       mean = jax.lax.pmean(updates, axis_name)
       nan = jnp.full((), jnp.nan, jnp.float32)
-      return mean, state.local_error, state.chunk_error, _stats(full_bits, full_bits, nan)
+      return (mean, _per_device(state.local_error, axis_name),
+              _per_device(state.chunk_error, axis_name), _stats(full_bits, full_bits, nan))
 
     if warmup_steps:
       mean, local_error, chunk_error, stats = jax.lax.cond(
@@ -324,38 +339,6 @@ def compression_stats(opt_state) -> CompressionStats | None:
   return found[0] if found else None
 
 
-def state_partition_specs(opt_state, axis_name: collectives.AxisName):
-  """``PartitionSpec`` tree of an optax state for ``jax.shard_map``.
-
-  The residuals of :func:`compressed_allreduce` differ per device and are laid
-  out along ``axis_name`` (``P(axis_name)``: each device holds its own
-  vectors); every other leaf is replicated (``P()``).
-
-  Args:
-    opt_state: an optax state or its ``jax.eval_shape``.
-    axis_name: the mesh axis (or axes) the devices are mapped over.
-
-  Returns:
-    A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
-  """
-  replicated, per_device = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis_name)
-
-  def spec(node):
-    if isinstance(node, CompressedAllReduceState):
-      return node._replace(
-          key=replicated,
-          count=replicated,
-          local_error=tuple(per_device for _ in node.local_error),
-          chunk_error=tuple(per_device for _ in node.chunk_error),
-          stats=CompressionStats(*(replicated for _ in node.stats)),
-      )
-    return jax.tree.map(lambda _: replicated, node)
-
-  return jax.tree.map(
-      spec, opt_state, is_leaf=lambda node: isinstance(node, CompressedAllReduceState)
-  )
-
-
 def _stats(wire_bits, full_bits, elias_bits) -> CompressionStats:
   wire = jnp.asarray(wire_bits, jnp.float32)
   full = jnp.asarray(full_bits, jnp.float32)
@@ -383,6 +366,23 @@ def _axis_sizes(axis_name, axis_size) -> dict[str, int] | None:
       raise ValueError(f"axis_size must be a dict naming each of {names}, got {axis_size}.")
     return {names[0]: axis_size}
   return dict(axis_size)
+
+
+def _per_device(residuals: tuple[jax.Array, ...], axis_name) -> tuple[jax.Array, ...]:
+  """Residuals typed as varying over ``axis_name`` under ``shard_map``.
+
+  A residual of a leaf sent in full precision is a constant zero, which
+  shard_map types as replicated; both branches of the warm-up ``cond`` and a
+  ``scan`` carrying the state need every residual typed alike.
+  """
+  axes = tuple(axis_name) if isinstance(axis_name, tuple | list) else axis_name
+  return tuple(collectives._as_varying(e, axes) for e in residuals)
+
+
+def _with_empty(chunk_error: tuple[jax.Array, ...], is_compressed: list[bool]):
+  """One residual a leaf, as :func:`collectives.reduce_compressed` takes them."""
+  stored = iter(chunk_error)
+  return tuple(next(stored) if kept else jnp.zeros((0,), jnp.float32) for kept in is_compressed)
 
 
 def _check_bound(axis_name) -> None:
