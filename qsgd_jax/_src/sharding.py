@@ -4,8 +4,11 @@ import jax
 from jax.sharding import PartitionSpec
 
 from qsgd_jax._src import collectives
+from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.transforms import CompressedAllReduceState, CompressionStats
+
+_STATES = (AccumulationState, CompressedAllReduceState, LowPrecisionDecentralizedState)
 
 
 def state_partition_specs(opt_state, axis_name: collectives.AxisName):
@@ -18,6 +21,9 @@ def state_partition_specs(opt_state, axis_name: collectives.AxisName):
     its own model, so the replicas and the inner optimizer's arrays lie along
     ``axis_name`` (with the parameters' layout); the key and the scalars
     (step counts) are replicated.
+  * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
+    its gradients lies along ``axis_name`` and the mini-step counter is
+    replicated; the wrapped state inside is laid out by these same rules.
   * Every other leaf is replicated (``P()``).
 
   See :func:`~qsgd_jax.compressed_allreduce` for the pattern.
@@ -35,6 +41,12 @@ def state_partition_specs(opt_state, axis_name: collectives.AxisName):
     return replicated if len(leaf.shape) == 0 else along_axis
 
   def spec(node):
+    if isinstance(node, AccumulationState):
+      return node._replace(
+          mini_step=replicated,
+          accumulated=tuple(along_axis for _ in node.accumulated),
+          inner_state=specs(node.inner_state),
+      )
     if isinstance(node, CompressedAllReduceState):
       return node._replace(
           key=replicated,
@@ -52,9 +64,7 @@ def state_partition_specs(opt_state, axis_name: collectives.AxisName):
       )
     return jax.tree.map(lambda _: replicated, node)
 
-  return jax.tree.map(
-      spec,
-      opt_state,
-      is_leaf=lambda node: isinstance(
-          node, CompressedAllReduceState | LowPrecisionDecentralizedState),
-  )
+  def specs(tree):
+    return jax.tree.map(spec, tree, is_leaf=lambda node: isinstance(node, _STATES))
+
+  return specs(opt_state)
