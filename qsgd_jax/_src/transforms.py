@@ -19,16 +19,17 @@ class CompressionStats(NamedTuple):
 
   Attributes:
     wire_bits: ``float32[]``, bits this device sent (the accounting of
-      :func:`qsgd_jax.wire_bytes`, from the payloads' static shapes).
+      :func:`qsgd_jax.wire_bytes`, from the payloads' static shapes),
+      including the one-float32 all-reduce that tells every device whether
+      any device's updates were non-finite.
     float32_bits: ``float32[]``, bits a float32 all-reduce of the same
       gradients would send: ``2 (n - 1) / n * 32`` a coordinate.
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
     elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
       every payload were Elias-coded (the smaller of the sparse and dense
       variants per bucket), estimated from each device's first-phase
-      payloads and averaged over the axis (one scalar ``pmean``, not
-      counted in ``wire_bits``); NaN for other compressors or when not
-      tracked.
+      payloads and averaged over the axis (one scalar ``pmean``, counted
+      in ``wire_bits``); NaN for other compressors or when not tracked.
   """
 
   wire_bits: jax.Array
@@ -100,7 +101,24 @@ def compressed_allreduce(
                          in_specs=(P(), specs, P("batch")),
                          out_specs=(P(), specs))
 
-  Under ``jax.pmap`` nothing is needed: the state gets pmap's leading axis.
+  Under ``shard_map``, take the gradients with respect to parameters made
+  device-varying, ``jax.lax.pcast(params, "batch", to="varying")``: the
+  gradient of replicated parameters is already summed over the axis, in full
+  precision, by autodiff. Under ``jax.pmap`` nothing is needed: the state gets
+  pmap's leading axis.
+
+  A NaN or inf in any device's updates makes the mean NaN on every device (as
+  ``jax.lax.pmean`` would) and leaves the residuals as they were, so
+  ``optax.apply_if_finite`` placed after this transform in the chain skips
+  the step on every device. Do not wrap this transform in ``apply_if_finite``:
+  each device would test its own updates, and devices that disagree take
+  different branches around the collectives and hang.
+
+  To accumulate gradients over ``k`` mini-steps, wrap the chain in
+  :func:`~qsgd_jax.accumulate_gradients`: each device averages its own
+  gradients and this transform all-reduces their mean once, on the
+  ``k``-th mini-step. ``optax.MultiSteps`` gives the same updates but runs the
+  all-reduce on every mini-step, sending ``k`` times the bytes.
 
   Args:
     compressor: a :class:`~qsgd_jax.Compressor`.
@@ -146,12 +164,13 @@ def compressed_allreduce(
         f"compressor must be a qsgd_jax.Compressor, got {type(compressor).__name__}: "
         f"{compressor!r}."
     )
-  if error_feedback not in (False, True, "worker", "owner", "both"):
+  if not (isinstance(error_feedback, bool)
+          or (isinstance(error_feedback, str) and error_feedback in ("worker", "owner", "both"))):
     raise ValueError(
         "error_feedback must be False, True, 'worker', 'owner' or 'both', "
         f"got {error_feedback!r}."
     )
-  if not isinstance(warmup_steps, int) or warmup_steps < 0:
+  if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
   if method not in ("two_phase", "psum"):
     raise ValueError(f"method must be 'two_phase' or 'psum', got {method!r}.")
@@ -202,7 +221,14 @@ def compressed_allreduce(
                        if owner_feedback else None),
           **reduce_options,
       )
+      # A NaN or inf on one device must reach every device, as through lax.pmean; the
+      # quantizers' scales need not carry it (XLA's row reductions may drop a NaN).
+      nonfinite_devices = jax.lax.psum(
+          jnp.logical_not(_all_finite(updates)).astype(jnp.float32), axis_name)
+      finite = nonfinite_devices == 0
+      mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype), out.tree)
       wire_bits = collectives.wire_bits(updates, axis_name, compressor, **reduce_options)
+      wire_bits += _scalar_allreduce_bits(axis_name)
       elias_bits = jnp.full((), jnp.nan, jnp.float32)
       if elias_compressor is not None:
         # Each device estimates from its own payloads; the mean is the same everywhere.
@@ -210,12 +236,18 @@ def compressed_allreduce(
             _elias_wire_bits(updates, elias_compressor, step_key, wire_bits,
                              min_compressed_size),
             axis_name)
-      local_error = tuple(e.reshape(-1) for e in jax.tree.leaves(out.local_error)) if (
-          worker_feedback) else ()
+        wire_bits += _scalar_allreduce_bits(axis_name)
+      # A skipped step (optax.apply_if_finite after this transform) leaves the residuals.
+      local_error = tuple(
+          jnp.where(finite, new.reshape(-1), old)
+          for new, old in zip(jax.tree.leaves(out.local_error), state.local_error, strict=True)
+      ) if worker_feedback else ()
       chunk_error = tuple(
-          e for e, kept in zip(out.chunk_error, is_compressed, strict=True) if kept
+          jnp.where(finite, new, old) for new, old in zip(
+              [e for e, kept in zip(out.chunk_error, is_compressed, strict=True) if kept],
+              state.chunk_error, strict=True)
       ) if owner_feedback else ()
-      return (out.tree, _per_device(local_error, axis_name), _per_device(chunk_error, axis_name),
+      return (mean, _per_device(local_error, axis_name), _per_device(chunk_error, axis_name),
               _stats(wire_bits, full_bits, elias_bits))
 
     def full_precision(_):
@@ -383,6 +415,15 @@ def _with_empty(chunk_error: tuple[jax.Array, ...], is_compressed: list[bool]):
   """One residual a leaf, as :func:`collectives.reduce_compressed` takes them."""
   stored = iter(chunk_error)
   return tuple(next(stored) if kept else jnp.zeros((0,), jnp.float32) for kept in is_compressed)
+
+
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+
+
+def _scalar_allreduce_bits(axis_name) -> float:
+  """Bits one device sends in an all-reduce of one float32 over ``axis_name``."""
+  return collectives.float32_allreduce_bits(jnp.zeros(()), axis_name)
 
 
 def _check_bound(axis_name) -> None:

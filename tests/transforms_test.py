@@ -1,0 +1,644 @@
+"""Tests of the optax transforms: qsgd, onebit_sgd, compressed_allreduce.
+
+Compiling for eight simulated devices is the slow part, so tests share
+compiled programs: ``_pmap_functions`` and ``_shard_map_functions`` build one
+per named optimizer and cache it.
+"""
+
+import contextlib
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import qsgd_jax
+
+AXIS = "batch"
+NUM_DEVICES = 8
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+# A least-squares problem: "w" (8192 elements) is sent compressed, "b" (128,
+# under the default min_compressed_size) in float32.
+_PARAMS = {"w": jnp.zeros((64, 128)), "b": jnp.zeros((128,))}
+_INPUTS = jax.random.normal(jax.random.key(0), (NUM_DEVICES, 16, 64))
+_TARGETS = jax.random.normal(jax.random.key(1), (NUM_DEVICES, 16, 128))
+
+_OPTIMIZERS = {
+    # The chain users write, defaults included (Elias sizes tracked).
+    "qsgd_adamw": lambda: optax.chain(qsgd_jax.qsgd(AXIS), optax.adamw(1e-3)),
+    # Every residual and the warm-up branch.
+    "onebit_both": lambda: optax.chain(
+        qsgd_jax.onebit_sgd(AXIS, error_feedback="both", warmup_steps=1,
+                            axis_size=NUM_DEVICES),
+        optax.sgd(0.05, momentum=0.9)),
+}
+_TRACES = {name: 0 for name in _OPTIMIZERS}
+
+
+def _loss(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+# Where pmap puts its outputs. Inputs placed the same way make the second
+# step (outputs fed back) run the first step's executable.
+_PMAP_SHARDING = NamedSharding(
+    jax.sharding.Mesh(np.array(jax.devices()[:NUM_DEVICES]), (AXIS,)), P(AXIS))
+
+
+def _on_devices(tree):
+  """``tree``, with leading axis ``NUM_DEVICES``, laid out as pmap lays out outputs."""
+  return jax.device_put(tree, _PMAP_SHARDING)
+
+
+_PMAP_DATA = _on_devices((_INPUTS, _TARGETS))
+
+
+def _stacked(tree):
+  """The same pytree on every device, along pmap's leading axis."""
+  return _on_devices(
+      jax.tree.map(lambda x: jnp.broadcast_to(x, (NUM_DEVICES, *jnp.shape(x))), tree))
+
+
+def _first(tree):
+  """Device 0's slice of every leaf."""
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def _gaussian(seed):
+  """Different Gaussian gradients like ``_PARAMS`` on every device."""
+  w_key, b_key = jax.random.split(jax.random.key(seed))
+  return _on_devices({"w": jax.random.normal(w_key, (NUM_DEVICES, 64, 128)),
+                      "b": jax.random.normal(b_key, (NUM_DEVICES, 128))})
+
+
+def _is_key(x):
+  return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _numpy(tree):
+  """``tree`` as numpy arrays, typed PRNG keys as their key data."""
+  return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if _is_key(x) else x), tree)
+
+
+def _assert_replicas_identical(tree):
+  for leaf in jax.tree.leaves(_numpy(tree)):
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+
+
+def _apply(tx, params, state, grads):
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+  """Collects an entry each time XLA compiles a program."""
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == _BACKEND_COMPILE:
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@functools.cache
+def _pmap_functions(name):
+  """``(init, step)`` pmapped for ``_OPTIMIZERS[name]``; ``step`` counts its traces."""
+  tx = _OPTIMIZERS[name]()
+
+  def step(params, state, x, y):
+    _TRACES[name] += 1
+    grads = jax.grad(_loss)(params, x, y)
+    return (*_apply(tx, params, state, grads), jax.lax.pmean(_loss(params, x, y), AXIS))
+
+  return jax.pmap(tx.init, axis_name=AXIS), jax.pmap(step, axis_name=AXIS)
+
+
+def _pmap_train(name, num_steps, params=None, state=None, check_replicas=False):
+  """``num_steps`` pmapped steps; returns params, state and the losses."""
+  init, step = _pmap_functions(name)
+  params = _stacked(_PARAMS) if params is None else params
+  state = init(params) if state is None else state
+  losses = []
+  for _ in range(num_steps):
+    # Each step waits for the last: eight simulated devices share few cores.
+    params, state, loss = jax.block_until_ready(step(params, state, *_PMAP_DATA))
+    losses.append(float(loss[0]))
+    if check_replicas:
+      _assert_replicas_identical(params)
+  return params, state, losses
+
+
+def _device_step(tx, params, state, x, y):
+  """One shard_map training step on this device's ``x[0]``, ``y[0]``."""
+  # The gradient of replicated parameters is already summed over the axis by
+  # autodiff; the device's own gradient is that of its parameters made varying.
+  local = jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying"), params)
+  grads = jax.grad(_loss)(local, x[0], y[0])
+  return _apply(tx, params, state, grads)
+
+
+@functools.cache
+def _shard_map_functions(name):
+  """``(init, step, params, inputs, targets)`` for ``_OPTIMIZERS[name]`` under jit(shard_map).
+
+  ``step`` also returns every device's own copy of the parameters,
+  ``[devices, ...]``, to check that they agree. ``params`` are ``_PARAMS``
+  placed as ``step`` returns them (``P()``), so that the second step reuses
+  the first one's trace.
+  """
+  tx = _OPTIMIZERS[name]()
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _PARAMS), AXIS)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+  def step(params, state, x, y):
+    _TRACES[name] += 1
+    params, state = _device_step(tx, params, state, x, y)
+    copies = jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying")[None], params)
+    return params, state, copies
+
+  step = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+      out_specs=(P(), specs, P(AXIS))))
+  params = jax.device_put(_PARAMS, NamedSharding(mesh, P()))
+  data = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (_INPUTS, _TARGETS)]
+  return init, step, params, *data
+
+
+# Training under pmap and shard_map.
+
+
+@pytest.mark.parametrize("name", ["qsgd_adamw", "onebit_both"])
+def test_pmap_training_keeps_replicas_identical(name):
+  _, state, losses = _pmap_train(name, 4, check_replicas=True)
+  assert losses[-1] < losses[0]
+  stats = _first(qsgd_jax.compression_stats(state))
+  assert float(stats.compression_ratio) > 5
+
+
+def test_shard_map_training_keeps_replicas_identical_and_matches_pmap():
+  init, step, params, inputs, targets = _shard_map_functions("onebit_both")
+  state = init(params)
+  for _ in range(3):
+    params, state, copies = jax.block_until_ready(step(params, state, inputs, targets))
+    _assert_replicas_identical(copies)
+  assert float(qsgd_jax.compression_stats(state).compression_ratio) > 5
+
+  pmap_params, pmap_state, _ = _pmap_train("onebit_both", 3)
+  chex.assert_trees_all_equal(_numpy(params), _numpy(_first(pmap_params)))
+  # The residuals too: shard_map lays them out along the axis, pmap stacks them.
+  chex.assert_trees_all_equal(
+      _numpy(state[0].local_error),
+      _numpy(tuple(e.reshape(-1) for e in pmap_state[0].local_error)))
+
+
+def test_shard_map_scan_carries_the_state():
+  # Residuals of leaves sent in float32 are constant zeros; they must still be
+  # typed per device, or the carry of the scan changes type.
+  tx = _OPTIMIZERS["onebit_both"]()
+  init, _, params, inputs, targets = _shard_map_functions("onebit_both")
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _PARAMS), AXIS)
+
+  def train(params, state, x, y):
+    def body(carry, _):
+      return _device_step(tx, *carry, x, y), None
+
+    return jax.lax.scan(body, (params, state), None, length=3)[0]
+
+  train = jax.jit(jax.shard_map(
+      train, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)))
+  params, _ = jax.block_until_ready(train(params, init(params), inputs, targets))
+  pmap_params, _, _ = _pmap_train("onebit_both", 3)
+  chex.assert_trees_all_equal(_numpy(params), _numpy(_first(pmap_params)))
+
+
+@pytest.mark.parametrize("name, mapping", [
+    ("qsgd_adamw", "pmap"), ("onebit_both", "pmap"), ("onebit_both", "shard_map")])
+def test_steps_after_the_first_do_not_recompile(name, mapping):
+  if mapping == "pmap":
+    init, step = _pmap_functions(name)
+    params = _stacked(_PARAMS)
+    state, data = init(params), _PMAP_DATA
+  else:
+    init, step, params, *data = _shard_map_functions(name)
+    state = init(params)
+  params, state, _ = jax.block_until_ready(step(params, state, *data))
+  traces = _TRACES[name]
+  with _backend_compiles() as compiles:
+    for _ in range(3):
+      params, state, _ = jax.block_until_ready(step(params, state, *data))
+  assert not compiles
+  assert _TRACES[name] == traces
+
+
+# The state is a plain pytree: checkpoints.
+
+
+def _save_and_restore_with_orbax(tree, directory):
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(directory / "checkpoint", tree)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  return checkpointer.restore(directory / "checkpoint", target)
+
+
+def _save_and_restore_with_numpy(tree, directory):
+  del directory
+  saved = _numpy(tree)  # What np.savez would write.
+  return jax.tree.map(
+      lambda like, array: (jax.random.wrap_key_data(array, impl=jax.random.key_impl(like))
+                           if _is_key(like) else jnp.asarray(array)),
+      tree, saved)
+
+
+@pytest.mark.parametrize("save_and_restore", [
+    _save_and_restore_with_orbax, _save_and_restore_with_numpy], ids=["orbax", "numpy"])
+def test_checkpoint_mid_training_continues_exactly(save_and_restore, tmp_path):
+  straight = _pmap_train("onebit_both", 4)[:2]
+  params, state, _ = _pmap_train("onebit_both", 2)
+  restored = save_and_restore({"params": params, "opt_state": state}, tmp_path)
+  assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(state)
+  resumed = _pmap_train("onebit_both", 2, restored["params"], restored["opt_state"])[:2]
+  chex.assert_trees_all_equal(_numpy(resumed), _numpy(straight))
+
+
+# Composition with optax's wrappers.
+
+
+@pytest.mark.parametrize("transform, bad", [
+    (functools.partial(qsgd_jax.qsgd, error_feedback="both", track_elias=False), np.nan),
+    (functools.partial(qsgd_jax.onebit_sgd, error_feedback="worker"), np.inf),
+], ids=["qsgd_both_nan", "onebit_worker_inf"])
+def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
+  # apply_if_finite goes after the all-reduce, where every device tests the same mean.
+  tx = optax.chain(transform(AXIS, axis_size=NUM_DEVICES),
+                   optax.apply_if_finite(optax.adam(1e-2), 3))
+  params = _stacked(_PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  step = jax.pmap(functools.partial(_apply, tx), axis_name=AXIS)
+  params, state = jax.block_until_ready(step(params, state, _gaussian(0)))
+
+  poisoned = _gaussian(1)
+  poisoned["w"] = poisoned["w"].at[3, 5, 7].set(bad)  # One element on device 3.
+  poisoned = _on_devices(poisoned)
+  skipped_params, skipped_state = jax.block_until_ready(step(params, state, poisoned))
+  chex.assert_trees_all_equal(_numpy(skipped_params), _numpy(params))
+  assert not np.asarray(skipped_state[1].last_finite).any()
+  for field in ("local_error", "chunk_error"):
+    chex.assert_trees_all_equal(_numpy(getattr(skipped_state[0], field)),
+                                _numpy(getattr(state[0], field)))
+  chex.assert_trees_all_equal(_numpy(skipped_state[1].inner_state),
+                              _numpy(state[1].inner_state))
+
+  params, state = jax.block_until_ready(step(skipped_params, skipped_state, _gaussian(2)))
+  assert np.asarray(state[1].last_finite).all()
+  for leaf in jax.tree.leaves(_numpy((params, state[0].local_error, state[0].chunk_error))):
+    assert np.isfinite(leaf).all()
+  assert not np.array_equal(np.asarray(params["w"]), np.asarray(skipped_params["w"]))
+  _assert_replicas_identical(params)
+
+
+def _multiples_of_an_eighth():
+  # The running mean that MultiSteps keeps gives these back exactly.
+  w_key, b_key = jax.random.split(jax.random.key(4))
+  return _on_devices({"w": jax.random.randint(w_key, (NUM_DEVICES, 64, 128), -8, 8) / 8.0,
+                      "b": jax.random.randint(b_key, (NUM_DEVICES, 128), -8, 8) / 8.0})
+
+
+def test_multi_steps_advances_the_state_only_when_applying():
+  """optax.MultiSteps gives the compressed mean; key and count advance once per k mini-steps.
+
+  It still runs the all-reduce on every mini-step and keeps the result only on
+  the k-th, so it sends k times the bytes; qsgd_jax.accumulate_gradients sends
+  them once (tests/accumulation_test.py counts both).
+  """
+  k = 3
+  tx = optax.MultiSteps(
+      optax.chain(qsgd_jax.qsgd(AXIS, error_feedback="worker", track_elias=False),
+                  optax.sgd(1.0)),
+      every_k_schedule=k)
+  grads = _multiples_of_an_eighth()
+  state = jax.pmap(tx.init, axis_name=AXIS)(_stacked(_PARAMS))
+  update = jax.pmap(tx.update, axis_name=AXIS)
+  counts, keys, applied = [], [], []
+  for _ in range(2 * k):
+    updates, state = jax.block_until_ready(update(grads, state))
+    ours = _first(state.inner_opt_state[0])
+    counts.append(int(ours.count))
+    keys.append(tuple(np.asarray(jax.random.key_data(ours.key))))
+    applied.append(bool(np.asarray(updates["w"]).any()))
+    if applied[-1]:
+      # The compressed mean of the accumulated gradients (here, of the gradients).
+      mean = np.asarray(grads["w"]).mean(axis=0)
+      np.testing.assert_allclose(-np.asarray(updates["w"])[0], mean, atol=0.5)
+  assert counts == [0, 0, 1, 1, 1, 2]
+  assert keys[0] == keys[1] != keys[2] == keys[3] == keys[4] != keys[5]
+  assert applied == [False, False, True, False, False, True]
+
+
+def _with_learning_rate(state, learning_rate):
+  """``state`` of ``chain(transform, inject_hyperparams(...))`` with another learning rate."""
+  hyperparams = {**state[1].hyperparams, "learning_rate": learning_rate}
+  return (state[0], state[1]._replace(hyperparams=hyperparams))
+
+
+def test_inject_hyperparams_learning_rate_changes_mid_run():
+  tx = optax.chain(qsgd_jax.qsgd(AXIS, track_elias=False),
+                   optax.inject_hyperparams(optax.adam)(learning_rate=1e-3))
+  params = _stacked(_PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  step = jax.pmap(functools.partial(_apply, tx), axis_name=AXIS)
+  learning_rate = state[1].hyperparams["learning_rate"]
+  zero, larger = jnp.zeros_like(learning_rate), jnp.full_like(learning_rate, 1e-2)
+
+  def largest_change(new, old):
+    return float(np.abs(np.asarray(new["w"]) - np.asarray(old["w"])).max())
+
+  new_params, state = jax.block_until_ready(step(params, state, _gaussian(0)))
+  first_change = largest_change(new_params, params)
+  params = new_params
+  grads = _gaussian(1), _gaussian(2)
+  with _backend_compiles() as compiles:
+    frozen_params, state = jax.block_until_ready(
+        step(params, _with_learning_rate(state, zero), grads[0]))
+    counts = np.asarray(state[0].count)
+    new_params, state = jax.block_until_ready(
+        step(params, _with_learning_rate(state, larger), grads[1]))
+  assert not compiles
+  chex.assert_trees_all_equal(_numpy(frozen_params), _numpy(params))
+  assert (counts == 2).all()  # The all-reduce ran all the same.
+  # Adam's early steps move each coordinate by about the learning rate.
+  assert 5 < largest_change(new_params, params) / first_change < 20
+  _assert_replicas_identical(new_params)
+
+
+def test_compression_stats_are_found_in_wrapped_states():
+  qsgd = functools.partial(qsgd_jax.qsgd, AXIS)
+  wrapped = {
+      "chain": optax.chain(optax.clip_by_global_norm(1.0), qsgd(), optax.adam(1e-3)),
+      "multi_steps": optax.MultiSteps(optax.chain(qsgd(), optax.adam(1e-3)), 4),
+      "apply_if_finite": optax.chain(qsgd(), optax.apply_if_finite(optax.adam(1e-3), 2)),
+      "inject_hyperparams": optax.inject_hyperparams(
+          lambda learning_rate: optax.chain(qsgd(), optax.sgd(learning_rate)))(
+              learning_rate=0.1),
+      "named_chain": optax.named_chain(("average", qsgd()), ("adam", optax.adam(1e-3))),
+  }
+  for name, tx in wrapped.items():
+    state = jax.eval_shape(tx.init, _PARAMS)
+    stats = qsgd_jax.compression_stats(state)
+    assert isinstance(stats, qsgd_jax.CompressionStats), name
+    assert stats.wire_bits.shape == () and stats.wire_bits.dtype == jnp.float32, name
+  assert qsgd_jax.compression_stats(optax.adam(1e-3).init(_PARAMS)) is None
+
+
+def test_state_partition_specs_lay_residuals_along_the_axis():
+  tx = optax.chain(
+      qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=NUM_DEVICES),
+      optax.adam(1e-3))
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _PARAMS), AXIS)
+  ours = specs[0]
+  assert ours.local_error == (P(AXIS), P(AXIS))
+  assert ours.chunk_error == (P(AXIS),)  # Only "w" is sent compressed.
+  assert ours.key == ours.count == P()
+  assert all(spec == P() for spec in ours.stats)
+  assert all(spec == P() for spec in jax.tree.leaves(
+      specs[1], is_leaf=lambda node: isinstance(node, P)))
+
+
+# Wrong use gets a clear error.
+
+
+def test_unbound_axis_name_is_a_name_error():
+  tx = qsgd_jax.qsgd(AXIS)
+  state = tx.init(_PARAMS)
+  with pytest.raises(NameError, match=f"'{AXIS}' is not bound"):
+    tx.update(_first(_gaussian(0)), state)
+  with pytest.raises(NameError, match=f"'{AXIS}' is not bound"):
+    jax.pmap(tx.update, axis_name="devices")(_gaussian(0), _stacked(state))
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  with pytest.raises(NameError, match=f"'{AXIS}' is not bound"):
+    jax.shard_map(lambda g: tx.update(g, state)[0], mesh=mesh, in_specs=P(),
+                  out_specs=P())(_first(_gaussian(0)))
+
+
+def test_non_float_leaf_is_a_type_error_naming_it():
+  tx = qsgd_jax.qsgd(AXIS)
+  updates = {"w": jnp.zeros((NUM_DEVICES, 8192)), "step": jnp.zeros((NUM_DEVICES, 3), jnp.int32)}
+  state = jax.pmap(tx.init)(updates)
+  with pytest.raises(TypeError, match=r"\['step'\].*int32"):
+    jax.pmap(tx.update, axis_name=AXIS)(updates, state)
+
+
+@pytest.mark.parametrize("compressor", [
+    "qsgd", qsgd_jax.QSGD, optax.sgd(0.1), None], ids=["str", "class", "optax", "none"])
+def test_not_a_compressor_is_a_type_error(compressor):
+  with pytest.raises(TypeError, match="qsgd_jax.Compressor"):
+    qsgd_jax.compressed_allreduce(compressor, AXIS)
+
+
+@pytest.mark.parametrize("error_feedback", ["workers", "yes", None, 1, 0.0, "Worker"])
+def test_bad_error_feedback_is_a_value_error(error_feedback):
+  with pytest.raises(ValueError, match="error_feedback"):
+    qsgd_jax.onebit_sgd(AXIS, error_feedback=error_feedback)
+
+
+@pytest.mark.parametrize("warmup_steps", [-1, 1.5, "10", True, None])
+def test_bad_warmup_steps_is_a_value_error(warmup_steps):
+  with pytest.raises(ValueError, match="warmup_steps"):
+    qsgd_jax.qsgd(AXIS, warmup_steps=warmup_steps)
+
+
+# Warm-up and statistics.
+
+
+def test_warmup_steps_are_exact_float32_means():
+  warmup_steps = 2
+  tx = qsgd_jax.compressed_allreduce(
+      qsgd_jax.QSGD(bits=4), AXIS, warmup_steps=warmup_steps, error_feedback="worker",
+      track_elias=False)
+  update = jax.pmap(tx.update, axis_name=AXIS)
+  pmean = jax.pmap(lambda g: jax.lax.pmean(g, AXIS), axis_name=AXIS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(_stacked(_PARAMS))
+  for step in range(warmup_steps + 2):
+    grads = _gaussian(10 + step)
+    mean, state = jax.block_until_ready(update(grads, state))
+    exact = pmean(grads)
+    _assert_replicas_identical(mean)
+    stats = _first(qsgd_jax.compression_stats(state))
+    residual = np.asarray(state.local_error[1])
+    if step < warmup_steps:
+      chex.assert_trees_all_equal(_numpy(mean), _numpy(exact))
+      assert float(stats.compression_ratio) == 1
+      assert float(stats.wire_bits) == float(stats.float32_bits)
+      assert not residual.any()
+    else:
+      assert not np.array_equal(np.asarray(mean["w"]), np.asarray(exact["w"]))
+      # "b" is below min_compressed_size: still exact.
+      np.testing.assert_array_equal(np.asarray(mean["b"]), np.asarray(exact["b"]))
+      # Two 4-bit roundings of buckets of 512 Gaussians: errors well under one.
+      np.testing.assert_allclose(np.asarray(mean["w"]), np.asarray(exact["w"]), atol=1.0)
+      assert float(stats.compression_ratio) > 6
+      assert residual.any()
+
+
+@pytest.mark.parametrize("transform, elias_is_smaller", [
+    (qsgd_jax.qsgd(AXIS, norm="l2"), True),
+    (qsgd_jax.qsgd(AXIS, method="psum", error_feedback="worker", track_elias=False), False),
+    (qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=NUM_DEVICES), False),
+], ids=["qsgd_l2", "qsgd_psum_worker", "onebit_both"])
+def test_wire_bits_are_what_the_compiled_update_sends(transform, elias_is_smaller):
+  params = {"w": jnp.zeros((64, 128)), "v": jnp.zeros((5000,)), "b": jnp.zeros((128,))}
+  w_key, v_key, b_key = jax.random.split(jax.random.key(7), 3)
+  grads = _on_devices({"w": jax.random.normal(w_key, (NUM_DEVICES, 64, 128)),
+                       "v": jax.random.normal(v_key, (NUM_DEVICES, 5000)),
+                       "b": jax.random.normal(b_key, (NUM_DEVICES, 128))})
+  state = jax.pmap(transform.init, axis_name=AXIS)(_stacked(params))
+  update = jax.pmap(transform.update, axis_name=AXIS)
+  compiled = update.lower(grads, state).compile()
+  _, state = jax.block_until_ready(compiled(grads, state))
+  stats = _first(qsgd_jax.compression_stats(state))
+
+  # Exactly: the payloads, the float32 all-reduce of "b", and the scalar
+  # all-reduces (the non-finite flag; the Elias estimate's mean).
+  assert float(stats.wire_bits) == qsgd_jax.wire_bytes(compiled.as_text()) * 8
+  size = 64 * 128 + 5000 + 128
+  assert float(stats.float32_bits) == 2 * (NUM_DEVICES - 1) / NUM_DEVICES * 32 * size
+  np.testing.assert_allclose(float(stats.compression_ratio),
+                             float(stats.float32_bits) / float(stats.wire_bits), rtol=1e-6)
+  if elias_is_smaller:
+    # With the paper's L2 scaling most 4-bit levels of Gaussians are 0 or 1:
+    # cheap in Elias code.
+    assert 0 < float(stats.elias_bits) < float(stats.wire_bits)
+  else:
+    assert np.isnan(float(stats.elias_bits))
+
+
+def test_elias_bits_are_finite_with_the_default_max_norm():
+  _, state, _ = _pmap_train("qsgd_adamw", 1)
+  stats = _first(qsgd_jax.compression_stats(state))
+  # Unlike with the L2 norm, at 4 bits the max norm's levels are large enough
+  # that Elias coding is about as long as the fixed-width wire (a few % more
+  # on Gaussians), so only finiteness is asserted.
+  assert np.isfinite(float(stats.elias_bits)) and float(stats.elias_bits) > 0
+
+
+# Error feedback on a small real problem: scikit-learn's digits, an MLP.
+
+_DIGITS_STEPS = 300
+_DIGITS_SEEDS = (0, 1, 2)
+_DIGITS_MODES = ("float32", "qsgd_4bit", "onebit_none", "onebit_worker")
+
+
+def _digits_data():
+  digits = load_digits()
+  x = (digits.data / 16.0).astype(np.float32)
+  y = digits.target.astype(np.int32)
+  x_train, x_test, y_train, y_test = train_test_split(
+      x, y, test_size=360, stratify=y, random_state=0)
+  per_device = len(x_train) // NUM_DEVICES
+  used = per_device * NUM_DEVICES
+  return (x_train[:used].reshape(NUM_DEVICES, per_device, 64),
+          y_train[:used].reshape(NUM_DEVICES, per_device), x_test, y_test)
+
+
+def _mlp_init(key):
+  first, second = jax.random.split(key)
+  return {"hidden": {"w": jax.random.normal(first, (64, 128)) * np.sqrt(2 / 64),
+                     "b": jnp.zeros((128,))},
+          "out": {"w": jax.random.normal(second, (128, 10)) * np.sqrt(1 / 128),
+                  "b": jnp.zeros((10,))}}
+
+
+def _mlp_logits(params, x):
+  hidden = jax.nn.relu(x @ params["hidden"]["w"] + params["hidden"]["b"])
+  return hidden @ params["out"]["w"] + params["out"]["b"]
+
+
+def _mlp_loss(params, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(_mlp_logits(params, x), y).mean()
+
+
+def _digits_optimizers():
+  # Both weight matrices (8192 and 1280 elements) are compressed, the biases not.
+  options = dict(min_compressed_size=1024, track_elias=False)
+  averages = {
+      "float32": optax.GradientTransformation(
+          lambda params: optax.EmptyState(),
+          lambda updates, state, params=None: (jax.lax.pmean(updates, AXIS), state)),
+      "qsgd_4bit": qsgd_jax.qsgd(AXIS, **options),
+      "onebit_none": qsgd_jax.onebit_sgd(AXIS, error_feedback=False, **options),
+      "onebit_worker": qsgd_jax.onebit_sgd(AXIS, error_feedback="worker", **options),
+  }
+  return {mode: optax.chain(averages[mode], optax.sgd(0.05, momentum=0.9))
+          for mode in _DIGITS_MODES}
+
+
+@functools.cache
+def _digits_train():
+  """Every mode side by side and every seed at once, one ``lax.scan`` over the steps.
+
+  Maps ``(params [devices, seeds, ...], x, y, keys [devices, seeds])`` to each
+  mode's final parameters ``[devices, seeds, ...]``.
+  """
+  optimizers = _digits_optimizers()
+
+  def train(params, x, y, key):
+    key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+
+    def step(carry, step_key):
+      # Every mode draws the same batch at a step.
+      index = jax.random.randint(step_key, (32,), 0, x.shape[0])
+      new_carry = {}
+      for mode, tx in optimizers.items():
+        mode_params, state = carry[mode]
+        grads = jax.grad(_mlp_loss)(mode_params, x[index], y[index])
+        updates, state = tx.update(grads, state, mode_params)
+        new_carry[mode] = (optax.apply_updates(mode_params, updates), state)
+      return new_carry, None
+
+    carry = {mode: (params, tx.init(params)) for mode, tx in optimizers.items()}
+    carry, _ = jax.lax.scan(step, carry, jax.random.split(key, _DIGITS_STEPS))
+    return {mode: mode_params for mode, (mode_params, _) in carry.items()}
+
+  return jax.pmap(jax.vmap(train, in_axes=(0, None, None, 0)), axis_name=AXIS)
+
+
+def test_error_feedback_matters_on_digits():
+  x_train, y_train, x_test, y_test = _digits_data()
+  params = jax.vmap(_mlp_init)(jax.random.split(jax.random.key(0), len(_DIGITS_SEEDS)))
+  keys = jax.random.key_data(jax.random.split(jax.random.key(1), len(_DIGITS_SEEDS)))
+  final = jax.block_until_ready(_digits_train()(
+      _stacked(params), x_train, y_train, jax.random.wrap_key_data(_stacked(keys))))
+  _assert_replicas_identical(final)
+  accuracy, loss = {}, {}
+  for mode, mode_params in final.items():
+    mode_params = jax.tree.map(lambda x: x[0], mode_params)  # [seeds, ...]
+    predicted = jnp.argmax(jax.vmap(_mlp_logits, in_axes=(0, None))(mode_params, x_test), -1)
+    accuracy[mode] = 100 * float(jnp.mean(predicted == y_test))
+    loss[mode] = float(jnp.mean(jax.vmap(_mlp_loss, in_axes=(0, None, None))(
+        mode_params, x_train.reshape(-1, 64), y_train.reshape(-1))))
+  print(f"digits, {len(_DIGITS_SEEDS)} seeds x {_DIGITS_STEPS} steps: "
+        f"test accuracy % {accuracy}, training loss {loss}")
+
+  assert accuracy["qsgd_4bit"] >= accuracy["float32"] - 1
+  assert accuracy["onebit_worker"] >= accuracy["float32"] - 2
+  # Without error feedback 1-bit SGD trains measurably worse.
+  assert accuracy["onebit_none"] < accuracy["onebit_worker"]
+  assert loss["onebit_none"] > 1.2 * loss["onebit_worker"]
