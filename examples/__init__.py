@@ -1,0 +1,1 @@
+"""Examples of qsgd_jax in training programs."""

@@ -1,0 +1,43 @@
+"""ResNet-50 on ImageNet at 224 pixels, gradients averaged with 4-bit QSGD.
+
+ImageNet must be prepared for TensorFlow Datasets in ``config.data_dir``
+beforehand (see the README).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default hyperparameters."""
+  config = ml_collections.ConfigDict()
+
+  config.model = "ResNet50"
+  config.half_precision = False
+
+  config.dataset = "imagenet2012"
+  config.data_dir = ml_collections.config_dict.placeholder(str)  # TFDS's default when unset.
+  config.image_size = 224
+  config.cache = False
+  config.shuffle_buffer_size = 16 * 1024
+  config.prefetch = 10
+
+  config.batch_size = 1024  # Global: split over every device of every process.
+  config.learning_rate = 0.1  # For a batch of 256, scaled linearly with batch_size.
+  config.momentum = 0.9
+  config.nesterov = True
+  config.weight_decay = 1e-4
+  config.warmup_epochs = 5.0
+  config.num_epochs = 90.0
+  config.num_train_steps = -1  # When positive, overrides num_epochs.
+
+  config.steps_per_eval = -1  # When positive, evaluate on that many batches only.
+  config.eval_every_steps = -1  # -1: once an epoch, and at the end.
+  config.log_every_steps = 100
+
+  # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, decentralized8.
+  config.compression = "qsgd4"
+  config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
+  config.min_compressed_size = 4096  # Smaller leaves (biases, norms) go in float32.
+  config.parallelism = "shard_map"  # Or pmap.
+  config.seed = 0
+  return config

@@ -1,0 +1,58 @@
+"""Trains a ResNet with quantized gradient all-reduce.
+
+  python -m examples.imagenet.main --config=examples/imagenet/configs/digits.py --workdir=DIR
+
+Without accelerators, JAX is given eight simulated CPU devices (unless
+``XLA_FLAGS`` already sets their number). With ``--multihost``, or in a cluster
+JAX recognizes (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, ...), every
+process calls ``jax.distributed.initialize`` first and feeds its own devices.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from examples.imagenet import devices
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl and summary.json.")
+flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize (one process per host).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --multihost).")
+flags.DEFINE_integer("num_processes", None, "Number of processes (with --multihost).")
+flags.DEFINE_integer("process_id", None, "This process's index (with --multihost).")
+config_flags.DEFINE_config_file("config", None, "Training configuration file.", lock_config=True)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+
+def in_multiprocess_cluster() -> bool:
+  """Whether the environment describes several processes that JAX can connect."""
+  if "JAX_COORDINATOR_ADDRESS" in os.environ:
+    return True
+  process_counts = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+  return any(int(count) > 1 for count in process_counts)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("Too many command-line arguments.")
+  devices.simulate_cpu_devices()
+  import jax  # After the device flags.
+
+  from examples.imagenet import train
+
+  if FLAGS.multihost or in_multiprocess_cluster():
+    jax.distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id,
+    )
+  logging.info("Process %d of %d, with %d of the %d %s devices.", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count(),
+               jax.default_backend())
+  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

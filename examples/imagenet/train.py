@@ -1,0 +1,443 @@
+"""Data-parallel ResNet training whose gradient all-reduce is quantized by qsgd_jax.
+
+The training step is the usual data-parallel one, with one change: the
+``lax.pmean(grads, 'batch')`` line is gone, and the first transform of the optax
+chain averages the gradients instead, compressing what it sends (see
+``create_optimizer``). BatchNorm averages its batch statistics over the same
+axis, and the metrics are averaged with ``lax.pmean``. The step runs under
+``jax.pmap`` or ``jax.shard_map`` (``config.parallelism``).
+"""
+
+import functools
+import json
+import math
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import tqdm
+from flax import jax_utils
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qsgd_jax
+from examples.imagenet import input_pipeline, models
+
+AXIS = "batch"
+COMPRESSIONS = ("fp32", "bf16", "qsgd4", "qsgd8", "minmax8", "onebit", "decentralized8")
+PARALLELISMS = ("pmap", "shard_map")
+
+
+class TrainState(train_state.TrainState):
+  batch_stats: Any
+
+
+def create_model(config: ml_collections.ConfigDict, num_classes: int):
+  """The ResNet named by ``config.model``, BatchNorm shared over the ``AXIS`` devices."""
+  model_cls = getattr(models, config.model)
+  dtype = jnp.bfloat16 if config.half_precision else jnp.float32
+  return model_cls(num_classes=num_classes, dtype=dtype, axis_name=AXIS)
+
+
+def initialized(key: jax.Array, image_shape: tuple[int, ...], model):
+  """The model's initial ``params`` and ``batch_stats``."""
+  init = jax.jit(functools.partial(model.init, train=False))
+  variables = init(key, jnp.ones((1, *image_shape), model.dtype))
+  return variables["params"], variables["batch_stats"]
+
+
+def create_learning_rate_fn(config: ml_collections.ConfigDict, steps_per_epoch: int,
+                            num_steps: int) -> optax.Schedule:
+  """Linear warm-up to ``learning_rate * batch_size / 256``, then cosine decay to zero."""
+  peak = config.learning_rate * config.batch_size / 256
+  warmup_steps = min(int(config.warmup_epochs * steps_per_epoch), num_steps - 1)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=warmup_steps, decay_steps=num_steps
+  )
+
+
+def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """The transform that averages gradients over ``AXIS``, as ``config.compression`` says.
+
+  Identity and Cast go through the library too, so that every mode reports
+  what it sends the same way (:func:`qsgd_jax.compression_stats`).
+  """
+  options = dict(key=config.seed, min_compressed_size=config.min_compressed_size)
+  match config.compression:
+    case "fp32":
+      return qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), AXIS, **options)
+    case "bf16":
+      return qsgd_jax.compressed_allreduce(qsgd_jax.Cast(jnp.bfloat16), AXIS, **options)
+    case "qsgd4" | "qsgd8":
+      bits = int(config.compression.removeprefix("qsgd"))
+      return qsgd_jax.qsgd(AXIS, bits=bits, bucket_size=config.bucket_size, **options)
+    case "minmax8":
+      return qsgd_jax.compressed_allreduce(qsgd_jax.MinMax(bits=8), AXIS, **options)
+    case "onebit":
+      return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
+  raise ValueError(f"No all-reduce for compression {config.compression!r}.")
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """SGD with Nesterov momentum and weight decay, after the gradients are averaged.
+
+  ``decentralized8`` has no all-reduce: every device takes its own SGD step and
+  exchanges 8-bit differences of its model with its two ring neighbours.
+  """
+  is_kernel = functools.partial(jax.tree.map, lambda x: x.ndim > 1)
+  local_step = optax.chain(
+      optax.add_decayed_weights(config.weight_decay, mask=is_kernel),
+      optax.sgd(learning_rate_fn, momentum=config.momentum, nesterov=config.nesterov),
+  )
+  if config.compression == "decentralized8":
+    return qsgd_jax.low_precision_decentralized(
+        local_step, AXIS, compressor=qsgd_jax.MinMax(bits=8), key=config.seed
+    )
+  return optax.chain(gradient_averaging(config), local_step)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
+  """One step on one device's share of the batch; call it under pmap or shard_map."""
+
+  def loss_fn(params):
+    logits, updated = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats},
+        batch["image"], train=True, mutable=["batch_stats"],
+    )
+    return cross_entropy(logits, batch["label"]).mean(), (logits, updated["batch_stats"])
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (loss, (logits, batch_stats)), grads = grad_fn(_device_copy(state.params))
+  # No lax.pmean(grads, AXIS) here: the optimizer's first transform averages them.
+  state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+  metrics = {
+      "loss": loss,
+      "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+      "learning_rate": learning_rate_fn(state.step - 1),
+  }
+  stats = qsgd_jax.compression_stats(state.opt_state)
+  if stats is not None:
+    metrics |= {
+        "wire_bytes": stats.wire_bits / 8,
+        "fp32_wire_bytes": stats.float32_bits / 8,
+        "elias_wire_bytes": stats.elias_bits / 8,
+    }
+  return state, jax.lax.pmean(metrics, AXIS)
+
+
+def eval_step(state: TrainState, batch, average_params: bool):
+  """Sums of loss, correct predictions and examples over all devices' shares.
+
+  With ``average_params`` (decentralized training, where every device holds
+  its own model) the average of the devices' models is evaluated.
+  """
+  params = state.params
+  if average_params:
+    params = qsgd_jax.averaged_params(params, AXIS)
+  logits = state.apply_fn(
+      {"params": params, "batch_stats": state.batch_stats}, batch["image"], train=False
+  )
+  mask = batch["mask"]
+  sums = {
+      "loss": jnp.sum(cross_entropy(logits, batch["label"]) * mask),
+      "correct": jnp.sum((jnp.argmax(logits, -1) == batch["label"]) * mask),
+      "count": jnp.sum(mask),
+  }
+  sums = jax.lax.psum(sums, AXIS)
+  if average_params:
+    sums["consensus_distance"] = qsgd_jax.consensus_distance(state.params, AXIS)
+  return sums
+
+
+def _device_copy(params):
+  """``params`` marked as varying over ``AXIS``, each device's own copy.
+
+  Under ``shard_map``, the gradient of replicated (invariant) parameters would
+  be summed over the devices by ``jax.grad`` itself; a per-device copy gets each
+  device's own gradient, which the optimizer then averages its way.
+  """
+
+  def copy(x):
+    if AXIS in jax.typeof(x).manual_axis_type.varying:
+      return x
+    return jax.lax.pcast(x, AXIS, to="varying")
+
+  return jax.tree.map(copy, params)
+
+
+class Mapped(NamedTuple):
+  """The per-device functions, mapped over ``AXIS`` by pmap or shard_map.
+
+  Attributes:
+    train_step: ``(state, batch) -> (state, metrics)``; donates ``state``.
+    eval_step: ``(state, batch) -> sums``.
+    put_batch: this process's numpy batch onto its devices.
+  """
+
+  train_step: Callable
+  eval_step: Callable
+  put_batch: Callable
+
+
+def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
+  """The mapped functions, and the initial state on every device.
+
+  Under shard_map the state is replicated (``P()``) except for the
+  compressor's per-device residuals (:func:`qsgd_jax.state_partition_specs`).
+  Decentralized training keeps one model per device: there the whole state is
+  stacked along a leading device axis (``P(AXIS)``), as pmap keeps it anyway.
+
+  Returns:
+    ``(mapped, state)``: a :class:`Mapped` and the initial :class:`TrainState`.
+  """
+  per_device = config.compression == "decentralized8"
+  stacked = per_device and config.parallelism == "shard_map"
+
+  def unstack(tree):
+    return jax.tree.map(lambda x: x[0], tree) if stacked else tree
+
+  def stack(tree):
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], tree) if stacked else tree
+
+  def init(params, batch_stats):
+    return stack(TrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                   batch_stats=batch_stats))
+
+  def step(state, batch):
+    state, metrics = train_step(unstack(state), batch, learning_rate_fn)
+    return stack(state), metrics
+
+  def evaluate(state, batch):
+    return eval_step(unstack(state), batch, average_params=per_device)
+
+  if config.parallelism == "pmap":
+    # pmap's own layout: the leading axis split over this process's devices.
+    devices = NamedSharding(Mesh(np.array(jax.local_devices()), (AXIS,)), P(AXIS))
+
+    def put_batch(batch):
+      return jax.device_put(
+          jax.tree.map(lambda x: x.reshape((jax.local_device_count(), -1, *x.shape[1:])), batch),
+          devices,
+      )
+
+    state = jax.pmap(init, AXIS)(jax_utils.replicate(params), jax_utils.replicate(batch_stats))
+    mapped = Mapped(
+        train_step=jax.pmap(step, AXIS, donate_argnums=(0,)),
+        eval_step=jax.pmap(evaluate, AXIS),
+        put_batch=put_batch,
+    )
+    return mapped, state
+
+  mesh = jax.make_mesh((jax.device_count(),), (AXIS,),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+  # Every process holds the same initial values; each gives its own devices their copies.
+  params, batch_stats = jax.tree.map(
+      lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
+      jax.device_get((params, batch_stats)),
+  )
+  specs = _state_specs(jax.eval_shape(init, params, batch_stats), stacked)
+  shard = functools.partial(jax.shard_map, mesh=mesh)
+
+  def put_batch(batch):
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(split, x), batch)
+
+  state = jax.jit(shard(init, in_specs=(P(), P()), out_specs=specs))(params, batch_stats)
+  mapped = Mapped(
+      train_step=jax.jit(shard(step, in_specs=(specs, P(AXIS)), out_specs=(specs, P())),
+                         donate_argnums=(0,)),
+      eval_step=jax.jit(shard(evaluate, in_specs=(specs, P(AXIS)), out_specs=P())),
+      put_batch=put_batch,
+  )
+  return mapped, state
+
+
+def _state_specs(shapes: TrainState, stacked: bool) -> TrainState:
+  """``PartitionSpec``s of the state under shard_map."""
+  if stacked:
+    return jax.tree.map(lambda _: P(AXIS), shapes)
+  replicated = functools.partial(jax.tree.map, lambda _: P())
+  return shapes.replace(
+      step=P(),
+      params=replicated(shapes.params),
+      batch_stats=replicated(shapes.batch_stats),
+      opt_state=qsgd_jax.state_partition_specs(shapes.opt_state, AXIS),
+  )
+
+
+def wire_bytes_from_hlo(compiled_step) -> dict[str, float]:
+  """Bytes one device sends per step, by kind of collective, read from the compiled step.
+
+  Besides the gradients' exchange, the step all-reduces BatchNorm's batch
+  statistics (and their gradients) and the metrics.
+  """
+  by_kind: dict[str, float] = {}
+  for collective in qsgd_jax.collectives_in_hlo(compiled_step.as_text()):
+    by_kind[collective.kind] = by_kind.get(collective.kind, 0.0) + collective.bytes_sent
+  return by_kind
+
+
+def evaluate(mapped: Mapped, state: TrainState, config, num_batches: int) -> dict[str, float]:
+  """Loss and accuracy on the evaluation split, padding left out."""
+  totals: dict[str, float] = {}
+  for batch in input_pipeline.eval_batches(config, num_batches):
+    sums = mapped.eval_step(state, mapped.put_batch(batch))
+    for name, value in sums.items():
+      totals[name] = totals.get(name, 0.0) + _scalar(value)
+  metrics = {"eval_loss": totals["loss"] / totals["count"],
+             "eval_accuracy": totals["correct"] / totals["count"]}
+  if "consensus_distance" in totals:
+    metrics["consensus_distance"] = totals["consensus_distance"] / num_batches
+  return metrics
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains, evaluates, and writes ``metrics.jsonl`` and ``summary.json`` into ``workdir``.
+
+  Args:
+    config: hyperparameters, e.g. from ``configs/default.py``.
+    workdir: where the metrics go (created if needed).
+
+  Returns:
+    The summary: ``steps``, ``final_train_loss`` (the mean of the last logging
+    window), ``eval_accuracy``, ``wire_bytes_per_step`` (what one device sends
+    for the gradients each step), ``fp32_wire_bytes_per_step`` (the same for a
+    float32 all-reduce), their ratio, the bytes read from the compiled HLO, and
+    timings.
+  """
+  _check_config(config)
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  is_main = jax.process_index() == 0
+
+  info = input_pipeline.dataset_info(config)
+  steps_per_epoch = info.num_train_examples // config.batch_size
+  num_steps = (config.num_train_steps if config.num_train_steps > 0
+               else int(config.num_epochs * steps_per_epoch))
+  eval_every = config.eval_every_steps if config.eval_every_steps > 0 else steps_per_epoch
+  num_eval_batches = input_pipeline.num_eval_batches(config, info)
+
+  model = create_model(config, info.num_classes)
+  learning_rate_fn = create_learning_rate_fn(config, steps_per_epoch, num_steps)
+  tx = create_optimizer(config, learning_rate_fn)
+  params, batch_stats = initialized(jax.random.key(config.seed), info.image_shape, model)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  mapped, state = parallelize(config, model, tx, learning_rate_fn, params, batch_stats)
+
+  batches = map(mapped.put_batch, input_pipeline.train_batches(config))
+  batch = next(batches)
+  start = time.perf_counter()
+  compiled_step = mapped.train_step.lower(state, batch).compile()
+  # pmap's compiled program takes global arrays: across processes, call pmap itself.
+  multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
+  train_step = mapped.train_step if multiprocess_pmap else compiled_step
+  hlo_bytes = wire_bytes_from_hlo(compiled_step)
+  compile_seconds = time.perf_counter() - start
+  # A float32 all-reduce of the gradients, each device's share: 2 (n - 1) / n * 4 bytes a param.
+  num_devices = jax.device_count()
+  fp32_bytes = 2 * (num_devices - 1) / num_devices * 4 * num_params
+  # XLA's CPU collectives give up after a while: one step at a time there.
+  block_every_step = jax.default_backend() == "cpu"
+
+  metrics_file = (workdir / "metrics.jsonl").open("w") if is_main else None
+  window, window_start, train_seconds, last_window = [], time.perf_counter(), 0.0, []
+  eval_metrics: dict[str, float] = {}
+  progress = tqdm.trange(num_steps, desc=config.compression, disable=not is_main)
+  for step in progress:
+    state, metrics = train_step(state, batch)
+    if block_every_step:
+      jax.block_until_ready((state, metrics))
+    window.append(metrics)
+    if step + 1 < num_steps:
+      batch = next(batches)
+    done = step + 1
+    if done % config.log_every_steps == 0 or done == num_steps:
+      records = [{name: _scalar(value) for name, value in m.items()} for m in window]
+      elapsed = time.perf_counter() - window_start
+      train_seconds += elapsed
+      for offset, record in enumerate(records):
+        record["step"] = done - len(records) + offset + 1
+        record["steps_per_second"] = len(records) / elapsed
+        if "wire_bytes" not in record:  # Decentralized: what its ppermutes carry.
+          record["wire_bytes"] = hlo_bytes["collective-permute"]
+          record["fp32_wire_bytes"] = fp32_bytes
+        record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
+        _write(metrics_file, record)
+      progress.set_postfix(loss=f"{records[-1]['loss']:.3f}",
+                           accuracy=f"{records[-1]['accuracy']:.3f}",
+                           steps_per_second=f"{len(records) / elapsed:.1f}")
+      last_window, window = records, []
+      window_start = time.perf_counter()
+    if done % eval_every == 0 or done == num_steps:
+      eval_metrics = evaluate(mapped, state, config, num_eval_batches)
+      _write(metrics_file, {"step": done, **eval_metrics})
+      window_start = time.perf_counter()
+  progress.close()
+  if metrics_file is not None:
+    metrics_file.close()
+
+  last = last_window[-1]
+  summary = {
+      "compression": config.compression,
+      "parallelism": config.parallelism,
+      "model": config.model,
+      "dataset": config.dataset,
+      "num_devices": num_devices,
+      "num_processes": jax.process_count(),
+      "num_params": num_params,
+      "steps": num_steps,
+      "final_train_loss": float(np.mean([r["loss"] for r in last_window])),
+      "final_train_accuracy": float(np.mean([r["accuracy"] for r in last_window])),
+      **eval_metrics,
+      "wire_bytes_per_step": last["wire_bytes"],
+      "wire_bytes_source": "hlo" if config.compression == "decentralized8" else "compression_stats",
+      "fp32_wire_bytes_per_step": last["fp32_wire_bytes"],
+      "compression_ratio": last["compression_ratio"],
+      "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
+      "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
+      "hlo_wire_bytes_by_collective": hlo_bytes,
+      "steps_per_second": num_steps / train_seconds,
+      "train_seconds": train_seconds,
+      "compile_seconds": compile_seconds,
+  }
+  if is_main:
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  return summary
+
+
+def _check_config(config) -> None:
+  if config.compression not in COMPRESSIONS:
+    raise ValueError(f"config.compression must be one of {COMPRESSIONS}, "
+                     f"got {config.compression!r}.")
+  if config.parallelism not in PARALLELISMS:
+    raise ValueError(f"config.parallelism must be one of {PARALLELISMS}, "
+                     f"got {config.parallelism!r}.")
+
+
+def _scalar(value) -> float:
+  """A metric as a Python float: one device's copy of a replicated value."""
+  if isinstance(value, jax.Array):
+    value = value.addressable_data(0)
+  return float(np.asarray(value).reshape(-1)[0])
+
+
+def _finite_or_none(value: float | None) -> float | None:
+  return value if value is not None and math.isfinite(value) else None
+
+
+def _write(file, record: dict[str, Any]) -> None:
+  if file is not None:
+    file.write(json.dumps(record) + "\n")
+    file.flush()

@@ -1,0 +1,93 @@
+"""Tests of the ImageNet example: a few steps of every compression mode, and a whole run."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from examples.imagenet import input_pipeline, train
+from examples.imagenet.configs import smoke
+
+REQUIRED_SUMMARY_KEYS = (
+    "steps", "final_train_loss", "eval_accuracy", "wire_bytes_per_step",
+    "fp32_wire_bytes_per_step", "compression_ratio", "hlo_wire_bytes_per_step",
+)
+REQUIRED_METRICS = ("loss", "accuracy", "steps_per_second", "wire_bytes", "compression_ratio")
+
+
+def _fake_data_config(compression: str, parallelism: str):
+  """ResNet-1 on fake 8x8 images: only the 1000-way head is large enough to compress."""
+  config = smoke.get_config()
+  config.dataset = "fake"
+  config.image_size = 8
+  config.batch_size = 16
+  config.min_compressed_size = 4096
+  config.compression = compression
+  config.parallelism = parallelism
+  return config
+
+
+def _device_copies(tree) -> list[list[np.ndarray]]:
+  """For each leaf, what every device holds of it."""
+  return [[np.asarray(shard.data) for shard in leaf.addressable_shards]
+          for leaf in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def initial_variables():
+  """``(params, batch_stats)`` of ResNet-1 on fake data, the same for every mode."""
+  config = _fake_data_config("fp32", "pmap")
+  info = input_pipeline.dataset_info(config)
+  model = train.create_model(config, info.num_classes)
+  return train.initialized(jax.random.key(0), info.image_shape, model)
+
+
+@pytest.mark.parametrize("parallelism", train.PARALLELISMS)
+@pytest.mark.parametrize("compression", train.COMPRESSIONS)
+def test_train_steps(compression, parallelism, initial_variables):
+  config = _fake_data_config(compression, parallelism)
+  model = train.create_model(config, input_pipeline.dataset_info(config).num_classes)
+  learning_rate_fn = train.create_learning_rate_fn(config, steps_per_epoch=10, num_steps=10)
+  tx = train.create_optimizer(config, learning_rate_fn)
+  mapped, state = train.parallelize(config, model, tx, learning_rate_fn, *initial_variables)
+
+  batches = input_pipeline.train_batches(config)
+  for _ in range(2):
+    state, metrics = mapped.train_step(state, mapped.put_batch(next(batches)))
+    jax.block_until_ready((state, metrics))
+
+  assert math.isfinite(train._scalar(metrics["loss"]))
+  copies = _device_copies(state.params)
+  assert all(len(leaf) == jax.device_count() for leaf in copies)
+  identical = [all(np.array_equal(leaf[0], other) for other in leaf[1:]) for leaf in copies]
+  if compression == "decentralized8":  # Every device keeps its own model.
+    assert not all(identical)
+  else:
+    assert all(identical)
+    wire, fp32 = train._scalar(metrics["wire_bytes"]), train._scalar(metrics["fp32_wire_bytes"])
+    if compression == "fp32":
+      assert wire == pytest.approx(fp32, rel=1e-3)
+    else:
+      assert wire < fp32
+
+
+def test_train_and_evaluate_writes_metrics_and_summary(tmp_path):
+  summary = train.train_and_evaluate(smoke.get_config(), str(tmp_path))
+
+  written = json.loads((tmp_path / "summary.json").read_text())
+  assert written == summary
+  for key in REQUIRED_SUMMARY_KEYS:
+    assert key in written, key
+  assert written["steps"] == smoke.get_config().num_train_steps
+  assert math.isfinite(written["final_train_loss"])
+  assert 0.0 <= written["eval_accuracy"] <= 1.0
+  assert written["wire_bytes_per_step"] < written["fp32_wire_bytes_per_step"]
+
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+  train_records = [r for r in records if "loss" in r]
+  assert [r["step"] for r in train_records] == list(range(1, written["steps"] + 1))
+  for key in REQUIRED_METRICS:
+    assert all(key in r for r in train_records), key
+  assert any("eval_accuracy" in r for r in records)
