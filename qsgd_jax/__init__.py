@@ -1,11 +1,28 @@
-"""qsgd_jax: quantized gradient communication for JAX."""
+"""qsgd_jax: quantized gradient communication for JAX.
 
-from qsgd_jax._src.base import Compressor, Payload
+Compressors (:class:`QSGD`, :class:`MinMax`, :class:`OneBit`, :class:`Cast`,
+:class:`Identity`), the Elias omega codec (:mod:`qsgd_jax.elias`), quantized
+collectives (:func:`quantized_psum`, :func:`quantized_pmean`, :func:`wire_bytes`)
+and optax transformations (:func:`qsgd`, :func:`onebit_sgd`,
+:func:`compressed_allreduce`, :func:`low_precision_decentralized`,
+:func:`accumulate_gradients`).
+"""
+
+from qsgd_jax import elias
+from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
+from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
 from qsgd_jax._src.baselines import Cast, Identity
 from qsgd_jax._src.collectives import quantized_pmean, quantized_psum
+from qsgd_jax._src.decentralized import (
+    LowPrecisionDecentralizedState,
+    averaged_params,
+    consensus_distance,
+    low_precision_decentralized,
+)
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
-from qsgd_jax._src.qsgd import QSGD
+from qsgd_jax._src.qsgd import QSGD, EliasSize
+from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.transforms import (
     CompressedAllReduceState,
     CompressionStats,
@@ -13,30 +30,38 @@ from qsgd_jax._src.transforms import (
     compression_stats,
     onebit_sgd,
     qsgd,
-    state_partition_specs,
 )
 from qsgd_jax._src.wire import Collective, collectives_in_hlo, wire_bytes
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumulationState",
     "Cast",
     "Collective",
+    "CompressedAllReduceState",
+    "CompressionStats",
     "Compressor",
+    "EliasSize",
     "Identity",
+    "LowPrecisionDecentralizedState",
     "MinMax",
     "OneBit",
     "Payload",
     "QSGD",
-    "CompressedAllReduceState",
-    "CompressionStats",
+    "SharedScaleCompressor",
+    "accumulate_gradients",
+    "averaged_params",
     "collectives_in_hlo",
     "compressed_allreduce",
     "compression_stats",
+    "consensus_distance",
+    "elias",
+    "low_precision_decentralized",
     "onebit_sgd",
     "qsgd",
-    "state_partition_specs",
     "quantized_pmean",
     "quantized_psum",
+    "state_partition_specs",
     "wire_bytes",
 )

@@ -118,23 +118,21 @@ class QSGD(base.SharedScaleCompressor):
   def local_scales(self, x: jax.Array) -> jax.Array:
     buckets = self._buckets(base.as_float32(x, "QSGD.local_scales"))
     if self.norm == "max":
-      # max |v_i| as max(max v_i, -min v_i): reductions of the input itself,
-      # which XLA need not first write out as a separate |v| array.
-      high = jnp.max(buckets, axis=1, keepdims=True)
-      return jnp.maximum(high, -jnp.min(buckets, axis=1, keepdims=True))
+      # max |v_i| as max(max v_i, -min v_i): one pass over the input itself.
+      high, low = base.bucket_max_min(buckets)
+      return jnp.maximum(high, -low)[:, None]
     return jnp.sqrt(jnp.sum(buckets * buckets, axis=1, keepdims=True))
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
-    x = base.as_float32(x, "QSGD.integer_codes")
-    buckets = self._buckets(x)
+    flat = base.as_float32(x, "QSGD.integer_codes").reshape(-1)
     scale = scales[:, 0]
-    safe_scale = jnp.where(scale > 0, scale, 1.0)
-    level = rounding.round_stochastic(key, jnp.abs(buckets) * (self.levels / safe_scale)[:, None])
-    # Float error can push a level a hair past s, and non-finite input gives
-    # NaN: both clamp to s here; the bucket's non-finite scale marks the latter.
-    level = jnp.where(level <= self.levels, level, self.levels).astype(jnp.int32)
-    return jnp.where(buckets < 0, -level, level).reshape(-1)[: x.size]
+    ratio = self.levels / jnp.where(scale > 0, scale, 1.0)
+    # Non-finite input gives NaN, which lands on s; the bucket's non-finite
+    # scale marks it on decode.
+    y = jnp.abs(flat) * base.per_element(ratio, self._bucket_len(flat.size), flat.size)
+    level = rounding.round_stochastic_to_level(key, y, self.levels)
+    return jnp.where(flat < 0, -level, level)
 
   def decode_code_sum(self, total, scales, count, shape):
     del count  # Levels add linearly: the sum decodes like one device's codes.
@@ -155,9 +153,9 @@ class QSGD(base.SharedScaleCompressor):
     return base.to_buckets(x.reshape(-1), self._bucket_len(x.size))
 
   def _dequantize(self, levels: jax.Array, scales: jax.Array, shape) -> jax.Array:
-    levels = base.to_buckets(levels, self._bucket_len(math.prod(shape)))
-    values = levels.astype(jnp.float32) * (scales * (1.0 / self.levels))
-    return base.from_buckets(values, shape)
+    size = math.prod(shape)
+    step = base.per_element(scales[:, 0] * (1.0 / self.levels), self._bucket_len(size), size)
+    return (levels.astype(jnp.float32) * step).reshape(shape)
 
   def signed_levels(self, payload: base.Payload) -> jax.Array:
     """The integer levels ``sgn(v_i) * l_i`` of a payload, ``int32[size]``."""
