@@ -170,6 +170,21 @@ def to_buckets(flat: jax.Array, bucket_len: int, mode: str = "constant") -> jax.
   return flat.reshape(num_buckets, bucket_len)
 
 
+def bucket_max_min(buckets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each bucket's maximum and minimum, ``float32[num_buckets]`` each; NaN propagates.
+
+  Both come from one two-operand reduction: one pass over ``buckets``. It also
+  keeps NaN, which ``jnp.max`` and ``jnp.min`` of a long row can drop on CPU
+  in JAX 0.10 (XLA hands such plain reductions to a library that ignores it).
+  """
+  return jax.lax.reduce(
+      (buckets, buckets),
+      (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)),
+      lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
+      (1,),
+  )
+
+
 def from_buckets(buckets: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Inverse of :func:`to_buckets`: drops padding and restores ``shape``."""
   return buckets.reshape(-1)[: math.prod(shape)].reshape(shape)

@@ -67,20 +67,23 @@ class MinMax(base.SharedScaleCompressor):
 
   def local_scales(self, x: jax.Array) -> jax.Array:
     buckets = self._buckets(base.as_float32(x, "MinMax.local_scales"))
-    return jnp.stack([jnp.min(buckets, axis=1), jnp.max(buckets, axis=1)], axis=1)
+    high, low = base.bucket_max_min(buckets)
+    return jnp.stack([low, high], axis=1)
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Codes in ``[0, 2**bits - 1]`` against per-bucket ``(min, max)`` ``scales``."""
     x = base.as_float32(x, "MinMax.integer_codes")
-    buckets = self._buckets(x)
+    return self._bucket_codes(key, self._buckets(x), scales).reshape(-1)[: x.size]
+
+  def _bucket_codes(self, key: jax.Array, buckets: jax.Array, scales: jax.Array) -> jax.Array:
+    """``int32[num_buckets, bucket_len]`` codes of ``buckets``."""
     low, high = scales[:, 0], scales[:, 1]
     step = (high - low) / self.num_steps
     inverse_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
-    code = rounding.round_stochastic(key, (buckets - low[:, None]) * inverse_step[:, None])
-    # NaN (from non-finite input) and float overshoot clamp to the top code;
-    # the bucket's non-finite range marks the former on decode.
-    code = jnp.where(code <= self.num_steps, code, self.num_steps).astype(jnp.int32)
-    return code.reshape(-1)[: x.size]
+    # NaN (from non-finite input) lands on the top code; the bucket's
+    # non-finite range marks it on decode.
+    y = (buckets - low[:, None]) * inverse_step[:, None]
+    return rounding.round_stochastic_to_level(key, y, self.num_steps)
 
   def decode_code_sum(self, total, scales, count, shape):
     """``count * min + total * step``: the sum of ``count`` devices' values."""
@@ -93,9 +96,12 @@ class MinMax(base.SharedScaleCompressor):
     dtype = jnp.asarray(x).dtype
     x = base.as_float32(x, "MinMax.encode")
     scales = self.local_scales(x)
-    codes = self.integer_codes(key, x, scales).astype(jnp.uint32)
+    codes = self._bucket_codes(key, self._buckets(x), scales).astype(jnp.uint32)
     return base.Payload(
-        packed=packing.pack(codes, self.bits), scales=scales, shape=x.shape, dtype=dtype
+        packed=packing.pack_prefix(codes, x.size, self.bits),
+        scales=scales,
+        shape=x.shape,
+        dtype=dtype,
     )
 
   def decode(self, payload: base.Payload) -> jax.Array:

@@ -73,9 +73,11 @@ class OneBit(base.Compressor):
         [_masked_mean(buckets, valid & ~negative), _masked_mean(buckets, valid & negative)],
         axis=1,
     )
-    codes = negative.astype(jnp.uint32).reshape(-1)[: flat.size]
     return base.Payload(
-        packed=packing.pack(codes, 1), scales=scales, shape=x.shape, dtype=dtype
+        packed=packing.pack_prefix(negative.astype(jnp.uint32), flat.size, 1),
+        scales=scales,
+        shape=x.shape,
+        dtype=dtype,
     )
 
   def decode(self, payload: base.Payload) -> jax.Array:
@@ -87,7 +89,16 @@ class OneBit(base.Compressor):
 
 
 def _masked_mean(buckets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-bucket mean of the entries under ``mask``; zero where none are."""
-  total = jnp.sum(jnp.where(mask, buckets, 0.0), axis=1)
-  count = jnp.sum(mask, axis=1)
+  """Per-bucket mean of the entries under ``mask``; zero where none are.
+
+  The masked sum and the count are one two-operand reduction, which XLA on CPU
+  computes in one pass over ``buckets``; a plain float sum of the masked array
+  would first write that whole array out.
+  """
+  total, count = jax.lax.reduce(
+      (jnp.where(mask, buckets, 0.0), mask.astype(jnp.int32)),
+      (jnp.float32(0), jnp.int32(0)),
+      lambda a, b: (a[0] + b[0], a[1] + b[1]),
+      (1,),
+  )
   return total / jnp.maximum(count, 1).astype(jnp.float32)

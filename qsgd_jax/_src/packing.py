@@ -6,22 +6,31 @@ of the packed bit string, where bit ``j`` of the string is bit ``j % 32``
 into ``ceil(n * b / 32)`` words, so the payload holds exactly ``b`` bits a code
 plus at most 31 bits of padding.
 
-When ``b`` divides 32 (1, 2, 4, 8, 16, 32 bits), each word holds ``32 / b``
-whole codes: packing is a shift of a ``(words, 32 / b)`` view by the codes'
-offsets and a sum over its short last axis (the bits are disjoint, so the sum
-is their OR), and unpacking the broadcast shifts and a mask. Both are one
-vectorized pass over contiguous memory.
+When ``b`` divides 32 (1, 2, 4, 8, 16 or 32 bits) each word holds ``32 / b``
+whole codes: packing shifts a ``(words, 32 / b)`` view of the codes by their
+offsets and sums its short last axis (the bits are disjoint, so the sum is
+their OR); unpacking broadcasts each word against the offsets, shifts and
+masks. Either is one vectorized pass over contiguous memory.
 
-Other widths work on groups of 32 codes, which fill exactly ``b`` words: each
-word of a group is an OR of statically known shifted codes, so the whole pack
-and unpack is a short chain of ``jax.lax`` shifts, ANDs and ORs over a
-``(groups, 32)`` view, with no gather or scatter.
+Other widths work on groups of 32 codes, which fill exactly ``b`` words. Where
+each code of a group starts, and whether it spills into the next word, is
+fixed by ``b`` alone, a small static table: packing shifts every code into
+place in its first word (and its spill into the second) and sums, for each
+word, the pieces that land there, one masked reduction over a
+``(groups, b, 32)`` broadcast; unpacking gathers each code's first and second
+word, shifts and masks. Both compile to a handful of operations for any ``b``.
+
+Packing ends in a reduction, which XLA does not fuse into the reduction's
+consumers: a program that packs and then unpacks (``decode(encode(x))`` under
+one ``jit``) writes the words out once, rather than recomputing every code,
+random draw included, once for each code that shares its word.
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _WORD_BITS = 32
 _GROUP = 32  # codes a group; a group of 32 codes of b bits fills b words.
@@ -37,21 +46,8 @@ def _check_num_bits(num_bits: int) -> None:
     raise ValueError(f"num_bits must be an int in [1, 32], got {num_bits!r}.")
 
 
-def _pieces(num_bits: int):
-  """For word ``w`` of a group, the ``(code, shift)`` pairs that land in it.
-
-  A positive shift moves the code left (its low bits land in this word), a
-  negative one moves it right (its high bits spill over from the word before).
-  """
-  pieces = []
-  for word in range(num_bits):
-    lo, hi = word * _WORD_BITS, (word + 1) * _WORD_BITS
-    pieces.append([
-        (code, code * num_bits - lo)
-        for code in range(_GROUP)
-        if code * num_bits < hi and (code + 1) * num_bits > lo
-    ])
-  return pieces
+def _mask(num_bits: int) -> jax.Array:
+  return jnp.uint32(0xFFFFFFFF >> (_WORD_BITS - num_bits))
 
 
 def pack(codes: jax.Array, num_bits: int) -> jax.Array:
@@ -68,25 +64,48 @@ def pack(codes: jax.Array, num_bits: int) -> jax.Array:
   _check_num_bits(num_bits)
   if codes.ndim != 1:
     raise ValueError(f"pack expects a vector of codes, got shape {codes.shape}.")
-  n = codes.shape[0]
   codes = codes.astype(jnp.uint32)
   if _WORD_BITS % num_bits == 0:
-    return _pack_whole(codes, num_bits)
+    return _pack_whole_codes(codes, num_bits)
+  return _pack_groups(codes, num_bits)
+
+
+def pack_prefix(codes: jax.Array, num_codes: int, num_bits: int) -> jax.Array:
+  """:func:`pack` of the first ``num_codes`` of ``codes``, any shape, row-major.
+
+  For the codes of a padded array (buckets): rather than slicing the codes and
+  padding them back to whole words, which XLA would fuse into the packing
+  loop and run element by element, it zeroes the codes past ``num_codes``,
+  packs them all, and cuts the words.
+  """
+  codes = codes.reshape(-1)
+  codes = jnp.where(jnp.arange(codes.size) < num_codes, codes, 0)
+  return pack(codes, num_bits)[: num_words(num_codes, num_bits)]
+
+
+def _pack_whole_codes(codes: jax.Array, num_bits: int) -> jax.Array:
+  """:func:`pack` for a ``num_bits`` that divides 32."""
+  n = codes.shape[0]
+  words = num_words(n, num_bits)
+  per_word = _WORD_BITS // num_bits
+  codes = jnp.pad(codes, (0, words * per_word - n)).reshape(words, per_word)
+  offsets = np.arange(0, _WORD_BITS, num_bits, dtype=np.uint32)
+  return jnp.sum(codes << offsets, axis=1, dtype=jnp.uint32)
+
+
+def _pack_groups(codes: jax.Array, num_bits: int) -> jax.Array:
+  """:func:`pack` for any ``num_bits``, 32 codes (``num_bits`` words) at a time."""
+  n = codes.shape[0]
   groups = -(-n // _GROUP)
-  codes = jnp.pad(codes, (0, groups * _GROUP - n))
-  codes = codes.reshape(groups, _GROUP)
-  words = []
-  for pieces in _pieces(num_bits):
-    word = jnp.zeros((groups,), jnp.uint32)
-    for code, shift in pieces:
-      column = codes[:, code]
-      if shift >= 0:
-        word = word | jax.lax.shift_left(column, jnp.uint32(shift))
-      else:
-        word = word | jax.lax.shift_right_logical(column, jnp.uint32(-shift))
-    words.append(word)
-  packed = jnp.stack(words, axis=1).reshape(groups * num_bits)
-  return packed[: num_words(n, num_bits)]
+  codes = jnp.pad(codes, (0, groups * _GROUP - n)).reshape(groups, _GROUP)
+  first, offset, spills = _group_table(num_bits)
+  low = codes << offset  # Its part in its first word, high bits shifted out.
+  high = jnp.where(spills, codes >> np.where(spills, _WORD_BITS - offset, 0).astype(np.uint32), 0)
+  word = np.arange(num_bits)[:, None]
+  pieces = jnp.where(first == word, low[:, None, :], 0) | jnp.where(
+      (first + 1 == word) & spills, high[:, None, :], 0
+  )
+  return jnp.sum(pieces, axis=2, dtype=jnp.uint32).reshape(-1)[: num_words(n, num_bits)]
 
 
 def unpack(words: jax.Array, num_codes: int, num_bits: int) -> jax.Array:
@@ -109,39 +128,23 @@ def unpack(words: jax.Array, num_codes: int, num_bits: int) -> jax.Array:
     )
   words = words.astype(jnp.uint32)
   if _WORD_BITS % num_bits == 0:
-    return _unpack_whole(words, num_codes, num_bits)
+    offsets = np.arange(0, _WORD_BITS, num_bits, dtype=np.uint32)
+    codes = (words[:, None] >> offsets) & _mask(num_bits)
+    return codes.reshape(-1)[:num_codes]
   groups = -(-num_codes // _GROUP)
-  words = jnp.pad(words, (0, groups * num_bits - expected))
-  words = words.reshape(groups, num_bits)
-  mask = jnp.uint32((1 << num_bits) - 1) if num_bits < _WORD_BITS else jnp.uint32(0xFFFFFFFF)
-  columns = [jnp.zeros((groups,), jnp.uint32) for _ in range(_GROUP)]
-  for word, pieces in enumerate(_pieces(num_bits)):
-    for code, shift in pieces:
-      if shift >= 0:
-        part = jax.lax.shift_right_logical(words[:, word], jnp.uint32(shift))
-      else:
-        part = jax.lax.shift_left(words[:, word], jnp.uint32(-shift))
-      columns[code] = columns[code] | part
-  codes = jnp.stack(columns, axis=1) & mask
-  return codes.reshape(groups * _GROUP)[:num_codes]
-
-
-def _offsets(num_bits: int) -> jax.Array:
-  """Bit offsets of the ``32 / num_bits`` codes that a word holds."""
-  return jnp.arange(0, _WORD_BITS, num_bits, dtype=jnp.uint32)
-
-
-def _pack_whole(codes: jax.Array, num_bits: int) -> jax.Array:
-  """:func:`pack` for a ``num_bits`` that divides 32."""
-  per_word = _WORD_BITS // num_bits
-  n = codes.shape[0]
-  words = num_words(n, num_bits)
-  codes = jnp.pad(codes, (0, words * per_word - n)).reshape(words, per_word)
-  return jnp.sum(codes << _offsets(num_bits), axis=1, dtype=jnp.uint32)
-
-
-def _unpack_whole(words: jax.Array, num_codes: int, num_bits: int) -> jax.Array:
-  """:func:`unpack` for a ``num_bits`` that divides 32."""
-  mask = jnp.uint32(0xFFFFFFFF >> (_WORD_BITS - num_bits))
-  codes = (words[:, None] >> _offsets(num_bits)) & mask
+  words = jnp.pad(words, (0, groups * num_bits - expected)).reshape(groups, num_bits)
+  first, offset, spills = _group_table(num_bits)
+  low = words[:, first] >> offset
+  # A spilling code's high bits open the next word, above the 32 - offset bits
+  # its first word holds; the other codes take nothing from there.
+  next_word = np.minimum(first + 1, num_bits - 1)
+  high = words[:, next_word] << np.where(spills, _WORD_BITS - offset, 0).astype(np.uint32)
+  codes = (low | jnp.where(spills, high, 0)) & _mask(num_bits)
   return codes.reshape(-1)[:num_codes]
+
+
+def _group_table(num_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """For the 32 codes of a group: first word, bit offset there, and whether they spill."""
+  start = np.arange(_GROUP) * num_bits
+  offset = (start % _WORD_BITS).astype(np.uint32)
+  return start // _WORD_BITS, offset, offset + num_bits > _WORD_BITS

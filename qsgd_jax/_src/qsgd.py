@@ -125,14 +125,18 @@ class QSGD(base.SharedScaleCompressor):
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
-    flat = base.as_float32(x, "QSGD.integer_codes").reshape(-1)
+    x = base.as_float32(x, "QSGD.integer_codes")
+    return self._bucket_levels(key, self._buckets(x), scales).reshape(-1)[: x.size]
+
+  def _bucket_levels(self, key: jax.Array, buckets: jax.Array, scales: jax.Array) -> jax.Array:
+    """``int32[num_buckets, bucket_len]`` signed levels of ``buckets``."""
     scale = scales[:, 0]
-    ratio = self.levels / jnp.where(scale > 0, scale, 1.0)
+    safe_scale = jnp.where(scale > 0, scale, 1.0)
     # Non-finite input gives NaN, which lands on s; the bucket's non-finite
     # scale marks it on decode.
-    y = jnp.abs(flat) * base.per_element(ratio, self._bucket_len(flat.size), flat.size)
+    y = jnp.abs(buckets) * (self.levels / safe_scale)[:, None]
     level = rounding.round_stochastic_to_level(key, y, self.levels)
-    return jnp.where(flat < 0, -level, level)
+    return jnp.where(buckets < 0, -level, level)
 
   def decode_code_sum(self, total, scales, count, shape):
     del count  # Levels add linearly: the sum decodes like one device's codes.
@@ -142,20 +146,23 @@ class QSGD(base.SharedScaleCompressor):
     dtype = jnp.asarray(x).dtype
     x = base.as_float32(x, "QSGD.encode")
     scales = self.local_scales(x)
-    level = self.integer_codes(key, x, scales)
+    level = self._bucket_levels(key, self._buckets(x), scales)
     sign = (level < 0).astype(jnp.uint32) << (self.bits - 1)
     codes = sign | jnp.abs(level).astype(jnp.uint32)
     return base.Payload(
-        packed=packing.pack(codes, self.bits), scales=scales, shape=x.shape, dtype=dtype
+        packed=packing.pack_prefix(codes, x.size, self.bits),
+        scales=scales,
+        shape=x.shape,
+        dtype=dtype,
     )
 
   def _buckets(self, x: jax.Array) -> jax.Array:
     return base.to_buckets(x.reshape(-1), self._bucket_len(x.size))
 
   def _dequantize(self, levels: jax.Array, scales: jax.Array, shape) -> jax.Array:
-    size = math.prod(shape)
-    step = base.per_element(scales[:, 0] * (1.0 / self.levels), self._bucket_len(size), size)
-    return (levels.astype(jnp.float32) * step).reshape(shape)
+    levels = base.to_buckets(levels, self._bucket_len(math.prod(shape)))
+    values = levels.astype(jnp.float32) * (scales * (1.0 / self.levels))
+    return base.from_buckets(values, shape)
 
   def signed_levels(self, payload: base.Payload) -> jax.Array:
     """The integer levels ``sgn(v_i) * l_i`` of a payload, ``int32[size]``."""

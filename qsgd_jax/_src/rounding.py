@@ -69,3 +69,24 @@ def round_stochastic(key: jax.Array, y: jax.Array) -> jax.Array:
   up = uniform_grid(key, y.shape).astype(jnp.float32) < threshold
   return floor + up.astype(jnp.float32)
 
+
+def round_stochastic_to_level(key: jax.Array, y: jax.Array, top: int) -> jax.Array:
+  """:func:`round_stochastic` of ``y >= 0``, clamped to ``top``, as ``int32``.
+
+  Float error can push ``y`` a hair past ``top`` and non-finite input gives
+  NaN: both become ``top``. The integer is read out of the float by adding
+  ``2**23``, which moves it into the low bits of the mantissa, then a bitcast
+  and a mask: exact for ``top < 2**23``, and a few instructions fewer than a
+  float-to-int conversion, which also handles NaN and overflow.
+
+  Args:
+    key: a PRNG key.
+    y: float32 array of non-negative values (or NaN).
+    top: the largest level, below ``2**23``.
+
+  Returns:
+    int32 array of levels in ``[0, top]``, the shape of ``y``.
+  """
+  level = round_stochastic(key, y)
+  level = jnp.where(level <= top, level, top) + jnp.float32(2**23)
+  return jax.lax.bitcast_convert_type(level, jnp.int32) & jnp.int32(2**23 - 1)

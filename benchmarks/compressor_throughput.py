@@ -1,0 +1,166 @@
+"""Throughput of each compressor against a memory-bound elementwise pass.
+
+For every compressor this times, on one CPU device, a jitted ``encode``, a
+jitted ``decode`` and a jitted ``decode(encode(x))`` of one float32 array, and
+reports each as a ratio to the time of ``x * 2 + 1`` over the same array: one
+fused read and write, the floor a compressor that touches every element cannot
+beat by much. It also reports the ratio for ``jax.random.uniform`` and for the
+package's hash-based ``uniform_grid`` of the same size, since one uniform draw
+an element is the bulk of a stochastic quantizer's arithmetic.
+
+Timings are medians over repeated calls after a warm-up call, each call waited
+on with ``jax.block_until_ready``. The floor is timed in a block before the
+compressors and a block after them, and every ratio is against that one floor:
+timed right after a compressor, a pass that allocates its output can pay for
+the compressor's freed temporaries (the allocator hands memory back to the
+system and faults it in again). Besides the median wall-clock time, the best
+wall-clock time and the median CPU time of the process are recorded: on a
+machine shared with other work they are the steadier figures. For one core,
+run under ``taskset -c 0``.
+
+Usage::
+
+  python benchmarks/compressor_throughput.py --size 4194304 --out benchmarks/results/
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (the platform is chosen before JAX starts)
+import jax.numpy as jnp  # noqa: E402
+
+import qsgd_jax  # noqa: E402
+from qsgd_jax._src import rounding  # noqa: E402
+
+COMPRESSORS = {
+    "qsgd_4bit_bucket512_max": qsgd_jax.QSGD(bits=4, bucket_size=512, norm="max"),
+    "qsgd_8bit_bucket512_max": qsgd_jax.QSGD(bits=8, bucket_size=512, norm="max"),
+    "minmax_8bit": qsgd_jax.MinMax(bits=8),
+    "onebit_bucket512": qsgd_jax.OneBit(bucket_size=512),
+    "cast_bfloat16": qsgd_jax.Cast(jnp.bfloat16),
+    "identity": qsgd_jax.Identity(),
+}
+
+
+def _time_call(fn, args) -> tuple[float, float]:
+  """Wall-clock and CPU seconds of one call, waited on."""
+  wall, cpu = time.perf_counter(), time.process_time()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _timings(fn, args, repeats: int) -> tuple[list[float], list[float]]:
+  """Wall-clock and CPU seconds of ``repeats`` calls of ``fn`` after a warm-up call."""
+  jax.block_until_ready(fn(*args))
+  calls = [_time_call(fn, args) for _ in range(repeats)]
+  return [wall for wall, _ in calls], [cpu for _, cpu in calls]
+
+
+def _figure(timings: tuple, floor_timings: tuple, nbytes: int) -> dict:
+  (wall, cpu), (floor_wall, floor_cpu) = timings, floor_timings
+  median = statistics.median
+  return {
+      "ms": 1e3 * median(wall),
+      "ratio": median(wall) / median(floor_wall),
+      "best_ratio": min(wall) / min(floor_wall),
+      "cpu_ratio": median(cpu) / median(floor_cpu),
+      "gb_per_s": nbytes / median(wall) / 1e9,
+  }
+
+
+def run(size: int, repeats: int) -> dict:
+  """Times every compressor and the two random-number references."""
+  device = jax.devices("cpu")[0]
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (size,), jnp.float32), device)
+  key = jax.device_put(jax.random.key(0), device)
+  nbytes = x.nbytes
+  floor = jax.jit(lambda x: x * 2 + 1)
+
+  floor_wall, floor_cpu = _timings(floor, (x,), repeats)
+  timings = {}
+  for name, compressor in COMPRESSORS.items():
+    encode = jax.jit(compressor.encode)
+    decode = jax.jit(compressor.decode)
+    round_trip = jax.jit(lambda key, x, c=compressor: c.decode(c.encode(key, x)))
+    payload = encode(key, x)
+    timings[name] = {
+        "encode_decode": _timings(round_trip, (key, x), repeats),
+        "encode": _timings(encode, (key, x), repeats),
+        "decode": _timings(decode, (payload,), repeats),
+    }
+  references = {
+      "jax_random_uniform": jax.jit(lambda key: jax.random.uniform(key, (size,))),
+      "rounding_uniform_grid": jax.jit(lambda key: rounding.uniform_grid(key, (size,))),
+  }
+  for name, fn in references.items():
+    timings[name] = {"draw": _timings(fn, (key,), repeats)}
+  wall, cpu = _timings(floor, (x,), repeats)
+  floor_timings = (floor_wall + wall, floor_cpu + cpu)
+
+  results = {}
+  for name, parts in timings.items():
+    results[name] = {part: _figure(t, floor_timings, nbytes) for part, t in parts.items()}
+    if name in COMPRESSORS:
+      results[name]["wire_bits_per_element"] = COMPRESSORS[name].wire_bits(x.shape) / size
+  seconds = statistics.median(floor_timings[0])
+  results["floor_x_times_2_plus_1"] = {"ms": 1e3 * seconds, "gb_per_s": 2 * nbytes / seconds / 1e9}
+  return results
+
+
+def _print_table(results: dict) -> None:
+  floor = results["floor_x_times_2_plus_1"]
+  print(f"floor x * 2 + 1: {floor['ms']:.3f} ms, {floor['gb_per_s']:.1f} GB/s read+write")
+  print("ratios to the floor: median wall-clock / best wall-clock / median CPU time")
+  parts = ("encode_decode", "encode", "decode")
+  print(f"{'':<26}" + "".join(f"{part:>22}" for part in parts) + f"{'GB/s':>7}{'bits':>6}")
+  for name in COMPRESSORS:
+    figures = results[name]
+    cells = "".join(_cell(figures[part]) for part in parts)
+    print(
+        f"{name:<26}{cells}{figures['encode_decode']['gb_per_s']:>7.2f}"
+        f"{figures['wire_bits_per_element']:>6.2f}"
+    )
+  for name in ("jax_random_uniform", "rounding_uniform_grid"):
+    print(f"{name:<26}{_cell(results[name]['draw'])}")
+
+
+def _cell(figure: dict) -> str:
+  text = f"{figure['ratio']:.2f} / {figure['best_ratio']:.2f} / {figure['cpu_ratio']:.2f}"
+  return f" {text}".rjust(22)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", type=int, default=4_194_304, help="elements of the array")
+  parser.add_argument("--repeats", type=int, default=20, help="timed calls a measurement")
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+  args = parser.parse_args()
+
+  results = run(args.size, args.repeats)
+  _print_table(results)
+  record = {
+      "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+      "size": args.size,
+      "repeats": args.repeats,
+      "jax_version": jax.__version__,
+      "device": str(jax.devices("cpu")[0]),
+      "processor": platform.processor() or platform.machine(),
+      "cpus_allowed": len(os.sched_getaffinity(0)),
+      "results": results,
+  }
+  args.out.mkdir(parents=True, exist_ok=True)
+  path = args.out / f"compressor_throughput_{args.size}.json"
+  path.write_text(json.dumps(record, indent=2) + "\n")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,435 @@
+"""Tests of the compressors: statistics, exact reconstructions, wire size, API.
+
+Statistics use many fixed keys under one compiled ``vmap`` a configuration:
+unbiasedness by z-scores against the exact variance of stochastic rounding,
+QSGD's Lemma 3.1 (Alistarh et al. 2017) for the L2 norm, MinMax's one-step
+error bound. Compiling dominates the run time, so the edge cases (shapes,
+dtypes, zeros, non-finite values) of each compressor share one program.
+"""
+
+import dataclasses
+import doctest
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qsgd_jax
+from qsgd_jax._src import baselines, minmax, onebit, qsgd
+
+NUM_KEYS = 4096
+KEYS = jax.random.split(jax.random.key(0), NUM_KEYS)
+Z_LIMIT = 5.0
+
+
+def _gaussian(shape, seed=0) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def _round_trips_over_keys(compressor, shape):
+  """``decode(encode(k, x))`` of a Gaussian ``x`` for every key, and its scales."""
+  x = _gaussian(shape)
+  round_trip = jax.jit(jax.vmap(lambda key: compressor.decode(compressor.encode(key, x))))
+  samples = np.asarray(round_trip(KEYS))
+  scales = np.asarray(jax.jit(compressor.encode)(KEYS[0], x).scales, np.float64)
+  return x.astype(np.float64), samples, scales
+
+
+def _buckets(flat: np.ndarray, bucket_size, size: int) -> np.ndarray:
+  """Bucket index of each element of a flattened array."""
+  bucket_len = size if bucket_size is None else min(bucket_size, size)
+  return np.arange(flat.size) // max(bucket_len, 1)
+
+
+def _rounding_grid(compressor, x: np.ndarray, scales: np.ndarray):
+  """Per element: the quantizer's step, and where x sits between two levels.
+
+  Returns ``(step, fraction)``: stochastic rounding lands on one of two levels
+  a step apart, the upper one with probability ``fraction``.
+  """
+  flat = x.reshape(-1)
+  bucket = _buckets(flat, compressor.bucket_size, flat.size)
+  if isinstance(compressor, qsgd_jax.QSGD):
+    step = scales[bucket, 0] / compressor.levels
+    position = np.abs(flat) / np.where(step > 0, step, 1.0)
+  else:
+    low, high = scales[bucket, 0], scales[bucket, 1]
+    step = (high - low) / compressor.num_steps
+    position = (flat - low) / np.where(step > 0, step, 1.0)
+  return step, position - np.floor(position)
+
+
+UNBIASED = {
+    "qsgd4_max_bucket256": qsgd_jax.QSGD(bits=4, bucket_size=256),
+    "qsgd8_max_whole": qsgd_jax.QSGD(bits=8, bucket_size=None),
+    "qsgd4_l2_whole": qsgd_jax.QSGD(bits=4, bucket_size=None, norm="l2"),
+    "qsgd3levels_l2_bucket100": qsgd_jax.QSGD(levels=3, bucket_size=100, norm="l2"),
+    "minmax8_whole": qsgd_jax.MinMax(bits=8),
+    "minmax1_bucket64": qsgd_jax.MinMax(bits=1, bucket_size=64),
+    "minmax3_bucket7": qsgd_jax.MinMax(bits=3, bucket_size=7),
+}
+SHAPE = (20, 50)  # 1000 elements: no bucket size above divides it.
+
+
+@pytest.mark.parametrize("name", list(UNBIASED))
+def test_unbiased(name):
+  compressor = UNBIASED[name]
+  assert compressor.unbiased
+  x, samples, scales = _round_trips_over_keys(compressor, SHAPE)
+  chex.assert_shape(samples, (NUM_KEYS, *SHAPE))
+  step, fraction = _rounding_grid(compressor, x, scales)
+  variance = (step**2 * fraction * (1 - fraction)).reshape(SHAPE)
+  sample_variance = samples.var(axis=0, dtype=np.float64)
+  error = np.abs(samples.mean(axis=0, dtype=np.float64) - x)
+  # A value on a level (a bucket's maximum, say) can land a float rounding
+  # below it and then, very rarely, round down a whole step: the observed
+  # variance covers that. The slack covers float rounding of the scales and
+  # the 2**-24 resolution of the draws.
+  standard_error = np.sqrt(np.maximum(variance, sample_variance) / NUM_KEYS)
+  slack = 1e-6 * (np.abs(x) + step.reshape(SHAPE))
+  np.testing.assert_array_less(error, Z_LIMIT * standard_error + slack)
+  # The spread is stochastic rounding's, no more: sum of variances within 5%.
+  np.testing.assert_allclose(sample_variance.sum(), variance.sum(), rtol=0.05)
+
+
+def _heavy_tailed(size: int) -> np.ndarray:
+  return np.random.default_rng(1).standard_cauchy(size).astype(np.float32)
+
+
+LEMMA_SIZE = 1024
+LEMMA_VECTORS = {
+    "gaussian": _gaussian((LEMMA_SIZE,), seed=2),
+    "cauchy": _heavy_tailed(LEMMA_SIZE),
+}
+
+
+@functools.cache
+def _lemma_round_trip(levels: int):
+  """``Q_s`` of one vector under 2048 keys, compiled once for every vector."""
+  compressor = qsgd_jax.QSGD(levels=levels, bucket_size=None, norm="l2")
+  return jax.jit(
+      jax.vmap(lambda key, x: compressor.decode(compressor.encode(key, x)), in_axes=(0, None))
+  )
+
+
+def _lemma_samples(levels: int, vector: str) -> np.ndarray:
+  return np.asarray(_lemma_round_trip(levels)(KEYS[:2048], LEMMA_VECTORS[vector]), np.float64)
+
+
+@pytest.mark.parametrize("vector", list(LEMMA_VECTORS))
+@pytest.mark.parametrize("levels", [1, 2, 7, 64])
+def test_lemma_3_1_variance_and_sparsity(levels, vector):
+  v = LEMMA_VECTORS[vector].astype(np.float64)
+  n, s = v.size, levels
+  samples = _lemma_samples(levels, vector)
+  norm_squared = np.sum(v**2)
+  # Exact expectations: each |v_i| s / ||v|| rounds up with its fraction.
+  position = np.abs(v) * s / np.sqrt(norm_squared)
+  fraction = position - np.floor(position)
+  exact_error = np.sum((np.sqrt(norm_squared) / s) ** 2 * fraction * (1 - fraction))
+  exact_nonzeros = np.sum(np.where(position >= 1, 1.0, fraction))
+  variance_bound = min(n / s**2, np.sqrt(n) / s) * norm_squared
+  sparsity_bound = s * (s + np.sqrt(n))
+  assert exact_error <= variance_bound and exact_nonzeros <= sparsity_bound
+
+  squared_error = np.sum((samples - v) ** 2, axis=1)
+  nonzeros = np.count_nonzero(samples, axis=1)
+  for estimate, exact, bound in (
+      (squared_error, exact_error, variance_bound),
+      (nonzeros, exact_nonzeros, sparsity_bound),
+  ):
+    standard_error = estimate.std() / np.sqrt(estimate.size)
+    assert abs(estimate.mean() - exact) <= Z_LIMIT * standard_error + 1e-6 * exact
+    assert estimate.mean() <= bound + Z_LIMIT * standard_error
+
+
+@pytest.mark.parametrize("name", [name for name in UNBIASED if name.startswith("minmax")])
+def test_minmax_error_within_one_step(name):
+  compressor = UNBIASED[name]
+  x, samples, scales = _round_trips_over_keys(compressor, SHAPE)
+  step, _ = _rounding_grid(compressor, x, scales)
+  error = np.abs(samples - x).reshape(NUM_KEYS, -1)
+  np.testing.assert_array_less(error, np.broadcast_to(step * (1 + 1e-5), error.shape))
+
+
+def test_minmax_constant_buckets_decode_exactly():
+  # 450 elements in buckets of 100: the last one is short; every one constant.
+  x = np.repeat(np.array([3.0, -1.5, 0.0, 1e-3, 7.25], np.float32), [100, 100, 100, 100, 50])
+  constant = np.full_like(x, -2.75)
+  bucketed, whole = qsgd_jax.MinMax(2, bucket_size=100), qsgd_jax.MinMax(8)
+
+  @jax.jit
+  def round_trips(key):
+    return (
+        bucketed.decode(bucketed.encode(key, x)),
+        whole.decode(whole.encode(key, constant)),
+    )
+
+  decoded_bucketed, decoded_whole = round_trips(KEYS[1])
+  np.testing.assert_array_equal(decoded_bucketed, x)
+  np.testing.assert_array_equal(decoded_whole, constant)
+
+
+def _onebit_reference(x: np.ndarray, bucket_size) -> tuple[np.ndarray, np.ndarray]:
+  """Each element's bucket mean of its side (negative or not), and bucket ids."""
+  if bucket_size is None:
+    rows = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+    bucket = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
+  else:
+    bucket = np.arange(x.size) // min(bucket_size, x.size)
+  flat = x.reshape(-1).astype(np.float64)
+  expected = np.empty_like(flat)
+  for b in np.unique(bucket):
+    for side in (flat < 0, flat >= 0):
+      members = (bucket == b) & side
+      if members.any():
+        expected[members] = flat[members].mean()
+  return expected.reshape(x.shape), bucket
+
+
+SIDES = np.array([1, -1, 1], np.float32)
+ONEBIT_CASES = {
+    "rows_of_matrix": (None, _gaussian((4, 50), seed=3)),
+    "rows_of_3d": (None, _gaussian((2, 3, 10), seed=4)),
+    "vector_one_bucket": (None, _gaussian((77,), seed=5)),
+    "bucket_not_dividing": (16, _gaussian((77,), seed=6)),
+    # Buckets of 16: all non-negative, all negative, and a short non-negative one.
+    "one_sided_buckets": (16, np.abs(_gaussian((40,), seed=7)) * np.repeat(SIDES, [16, 16, 8])),
+}
+
+
+@functools.cache
+def _onebit_decoded() -> dict[str, np.ndarray]:
+  """Every OneBit case, compiled as one program."""
+
+  @jax.jit
+  def run(key, cases):
+    decoded = {}
+    for name, x in cases.items():
+      compressor = qsgd_jax.OneBit(bucket_size=ONEBIT_CASES[name][0])
+      decoded[name] = compressor.decode(compressor.encode(key, x))
+    return decoded
+
+  cases = {name: x for name, (_, x) in ONEBIT_CASES.items()}
+  return jax.tree.map(lambda d: np.asarray(d, np.float64), run(KEYS[0], cases))
+
+
+@pytest.mark.parametrize("name", list(ONEBIT_CASES))
+def test_onebit_reconstructs_bucket_means_and_keeps_sums(name):
+  bucket_size, x = ONEBIT_CASES[name]
+  assert qsgd_jax.OneBit(bucket_size).deterministic and not qsgd_jax.OneBit(bucket_size).unbiased
+  decoded = _onebit_decoded()[name]
+  expected, bucket = _onebit_reference(x, bucket_size)
+  chex.assert_trees_all_close(decoded, expected, rtol=1e-5, atol=1e-6)
+  flat = x.reshape(-1).astype(np.float64)
+  sums = np.bincount(bucket, weights=flat)
+  decoded_sums = np.bincount(bucket, weights=decoded.reshape(-1))
+  scale = np.bincount(bucket, weights=np.abs(flat))
+  np.testing.assert_array_less(np.abs(decoded_sums - sums), 1e-5 * scale + 1e-6)
+  if name == "one_sided_buckets":  # One value a bucket: its mean.
+    np.testing.assert_allclose(decoded[:16], flat[:16].mean(), rtol=1e-6)
+    np.testing.assert_allclose(decoded[16:32], flat[16:32].mean(), rtol=1e-6)
+
+
+# Every compressor, in settings that take different code paths (bit widths
+# that divide 32 or not, buckets that divide the size or not, L2 norm, rows).
+COMPRESSORS = {
+    "qsgd4_bucket512": qsgd_jax.QSGD(bits=4, bucket_size=512),
+    "qsgd3levels_l2_bucket100": qsgd_jax.QSGD(levels=3, bucket_size=100, norm="l2"),
+    "minmax8_whole": qsgd_jax.MinMax(bits=8),
+    "minmax5_bucket100": qsgd_jax.MinMax(bits=5, bucket_size=100),
+    "onebit_bucket512": qsgd_jax.OneBit(bucket_size=512),
+    "onebit_rows": qsgd_jax.OneBit(bucket_size=None),
+    "cast_bfloat16": qsgd_jax.Cast(jnp.bfloat16),
+    "cast_float16": qsgd_jax.Cast(jnp.float16),
+    "identity": qsgd_jax.Identity(),
+}
+
+
+def _expected_payload_bytes(compressor, shape, dtype=np.float32) -> int:
+  """``ceil(n * bits / 32)`` words and 4 bytes a scale a bucket; the baselines' values."""
+  n = math.prod(shape)
+  if isinstance(compressor, qsgd_jax.Identity):
+    return n * np.dtype(dtype).itemsize
+  if isinstance(compressor, qsgd_jax.Cast):
+    return n * np.dtype(compressor.dtype).itemsize
+  if isinstance(compressor, qsgd_jax.OneBit):
+    bits, num_scales = 1, 2
+    if compressor.bucket_size is None:
+      num_buckets = n // shape[-1] if shape and shape[-1] else n
+    else:
+      num_buckets = -(-n // min(compressor.bucket_size, n)) if n else 0
+  else:
+    bits, num_scales = compressor.bits, 1 if isinstance(compressor, qsgd_jax.QSGD) else 2
+    bucket_len = n if compressor.bucket_size is None else min(compressor.bucket_size, n)
+    num_buckets = -(-n // bucket_len) if n else 0
+  return math.ceil(n * bits / 32) * 4 + 4 * num_scales * num_buckets
+
+
+# Edge cases that every compressor runs through one compiled program.
+CASES = {
+    "scalar": np.float32(0.7),
+    "empty": np.zeros((0,), np.float32),
+    "bfloat16_matrix": _gaussian((6, 50), seed=9).astype(jnp.bfloat16),
+    "float16": _gaussian((1030,), seed=10).astype(np.float16),
+}
+# Rows of one float32 batch, run under vmap: zeros, then a NaN, an inf and a -inf.
+SPECIAL_ROWS = np.concatenate([np.zeros((1, 700), np.float32), _gaussian((3, 700), seed=11)])
+SPECIAL_ROWS[1, 3], SPECIAL_ROWS[2, 10], SPECIAL_ROWS[3, 600] = np.nan, np.inf, -np.inf
+NON_FINITE_AT = {1: 3, 2: 10, 3: 600}
+
+
+@functools.cache
+def _edge_cases(name: str):
+  """Payloads and round trips of every case in CASES, and of SPECIAL_ROWS."""
+  compressor = COMPRESSORS[name]
+
+  def round_trip(key, x):
+    return compressor.decode(compressor.encode(key, x))
+
+  @jax.jit
+  def run(key, cases, rows):
+    payloads = {case: compressor.encode(key, x) for case, x in cases.items()}
+    decoded = {case: compressor.decode(p) for case, p in payloads.items()}
+    keys = jax.random.split(key, len(rows))
+    return payloads, decoded, jax.vmap(round_trip)(keys, rows)
+
+  return run(KEYS[2], CASES, SPECIAL_ROWS)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_shapes_and_dtypes_kept(name):
+  payloads, decoded, _ = _edge_cases(name)
+  for case, x in CASES.items():
+    chex.assert_shape(decoded[case], np.shape(x))
+    assert decoded[case].dtype == np.asarray(x).dtype, case
+    assert payloads[case].shape == np.shape(x) and payloads[case].dtype == np.asarray(x).dtype
+  for case in ("scalar", "bfloat16_matrix", "float16"):
+    # The values, not just their shape, come back: most of x's direction.
+    x = np.asarray(CASES[case], np.float64).reshape(-1)
+    y = np.asarray(decoded[case], np.float64).reshape(-1)
+    assert np.dot(x, y) > 0.5 * np.dot(x, x), case
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_more_shapes_and_dtypes_by_tracing(name):
+  compressor = COMPRESSORS[name]
+  for shape in [(), (0,), (5,), (4, 0), (2, 3, 4), (1, 1, 513)]:
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+      x = jax.ShapeDtypeStruct(shape, dtype)
+      out = jax.eval_shape(lambda k, x: compressor.decode(compressor.encode(k, x)), KEYS[0], x)
+      assert out.shape == shape and out.dtype == dtype, (shape, dtype)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_zeros_decode_to_zeros(name):
+  *_, rows = _edge_cases(name)
+  np.testing.assert_array_equal(rows[0], np.zeros(700, np.float32))
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_non_finite_input_stays_non_finite(name):
+  *_, rows = _edge_cases(name)
+  for row, index in NON_FINITE_AT.items():
+    assert not np.isfinite(rows[row, index]), SPECIAL_ROWS[row, index]
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_payload_holds_the_stated_bits(name):
+  compressor = COMPRESSORS[name]
+  payloads, *_ = _edge_cases(name)
+  for case in CASES:
+    x = np.asarray(CASES[case])
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(payloads[case]))
+    assert nbytes == _expected_payload_bytes(compressor, x.shape, x.dtype), case
+    assert nbytes * 8 == compressor.wire_bits(x.shape, x.dtype), case
+  for shape in [(1,), (31,), (4096,), (1000, 3), (3, 1000), (7, 11, 13)]:
+    payload = jax.eval_shape(compressor.encode, KEYS[0], jax.ShapeDtypeStruct(shape, jnp.float32))
+    nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(payload))
+    assert nbytes == _expected_payload_bytes(compressor, shape) == compressor.wire_bits(shape) // 8
+
+
+def test_bits_a_coordinate():
+  shape = (1 << 20,)
+  assert qsgd_jax.Identity().wire_bits(shape) == 32 * shape[0]
+  assert qsgd_jax.Cast(jnp.bfloat16).wire_bits(shape) == 16 * shape[0]
+  assert qsgd_jax.QSGD(bits=4, bucket_size=512).wire_bits(shape) == shape[0] * (4 + 32 / 512)
+  assert qsgd_jax.MinMax(bits=8).wire_bits(shape) == 8 * shape[0] + 64
+  assert qsgd_jax.OneBit(bucket_size=512).wire_bits(shape) == shape[0] * (1 + 64 / 512)
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: qsgd_jax.QSGD(bits=1), "bits"),
+        (lambda: qsgd_jax.QSGD(bits=17), "bits"),
+        (lambda: qsgd_jax.QSGD(bits=4.0), "bits"),
+        (lambda: qsgd_jax.QSGD(levels=0), "levels"),
+        (lambda: qsgd_jax.QSGD(levels=2**15), "levels"),
+        (lambda: qsgd_jax.QSGD(levels=2.5), "levels"),
+        (lambda: qsgd_jax.QSGD(bits=4, levels=3), "bits"),
+        (lambda: qsgd_jax.QSGD(bits=8, levels=7), "bits"),
+        (lambda: qsgd_jax.QSGD(bucket_size=0), "bucket_size"),
+        (lambda: qsgd_jax.QSGD(bucket_size=-4), "bucket_size"),
+        (lambda: qsgd_jax.QSGD(bucket_size=8.0), "bucket_size"),
+        (lambda: qsgd_jax.QSGD(bucket_size=True), "bucket_size"),
+        (lambda: qsgd_jax.QSGD(norm="l1"), "norm"),
+        (lambda: qsgd_jax.MinMax(bits=0), "bits"),
+        (lambda: qsgd_jax.MinMax(bits=17), "bits"),
+        (lambda: qsgd_jax.MinMax(bucket_size=0), "bucket_size"),
+        (lambda: qsgd_jax.OneBit(bucket_size=0), "bucket_size"),
+        (lambda: qsgd_jax.OneBit(bucket_size=2.5), "bucket_size"),
+        (lambda: qsgd_jax.Cast(jnp.int32), "dtype"),
+        (lambda: qsgd_jax.Cast(jnp.uint8), "dtype"),
+        (lambda: qsgd_jax.Cast("not a dtype"), "dtype"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_argument(make, argument):
+  with pytest.raises(ValueError, match=argument):
+    make()
+
+
+def test_levels_and_bits_agree():
+  assert qsgd_jax.QSGD(bits=4) == qsgd_jax.QSGD(levels=7)
+  assert qsgd_jax.QSGD().bits == 4 and qsgd_jax.QSGD().levels == 7
+  assert qsgd_jax.QSGD(levels=1).bits == 2
+  assert qsgd_jax.QSGD(levels=8).bits == 5
+  assert qsgd_jax.QSGD(levels=2**15 - 1).bits == 16
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_non_float_input_raises_type_error_naming_the_dtype(name, dtype):
+  with pytest.raises(TypeError, match=np.dtype(dtype).name):
+    COMPRESSORS[name].encode(KEYS[0], jnp.zeros((8,), dtype))
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_jit_with_static_compressor_vmap_and_no_recompiling(name):
+  compressor = COMPRESSORS[name]
+  twin = dataclasses.replace(compressor)  # Equal, but a new object.
+  assert twin is not compressor and twin == compressor and hash(twin) == hash(compressor)
+
+  def plain(compressor, key, x):
+    return compressor.decode(compressor.encode(key, x))
+
+  chex.clear_trace_counter()
+  round_trip = jax.jit(chex.assert_max_traces(plain, n=1), static_argnums=0)
+  xs = _gaussian((2, 64), seed=15)
+  first = round_trip(compressor, KEYS[3], xs[0])
+  second = round_trip(twin, KEYS[4], xs[1])  # An equal compressor, new values: no retrace.
+  batched = jax.jit(jax.vmap(functools.partial(plain, compressor)))(KEYS[3:5], xs)
+  chex.assert_trees_all_close(batched, jnp.stack([first, second]), rtol=1e-6)
+  if compressor.deterministic:
+    chex.assert_trees_all_close(round_trip(compressor, KEYS[5], xs[0]), first)
+
+
+@pytest.mark.parametrize("module", [qsgd, minmax, onebit, baselines])
+def test_docstring_examples(module):
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0
