@@ -15,13 +15,13 @@ With an unbiased compressor the result is unbiased (a sum of unbiased pieces,
 re-quantized unbiasedly); its error is that of two quantizations.
 
 ``"psum"`` (a single collective for the codes). The devices agree on each
-bucket's scale first (``pmax``/``pmin`` of the local scales, a float32 vector
-of one or two values a bucket), quantize against that shared scale, and add
-the integer codes in one ``psum`` in the narrowest integer type that cannot
-overflow for the axis size (for 4-bit QSGD on 8 devices, int8). One rounding
-instead of two, so less error; but an all-reduce of 8-bit integers sends
-``2 (n - 1) / n`` bytes a coordinate whatever the code width, so it saves at
-most 4x. Only compressors with a shared-scale form (:class:`QSGD`,
+bucket's scale first (one ``pmax`` of the local scales, minima negated, a
+float32 vector of one or two values a bucket), quantize against that shared
+scale, and add the integer codes in one ``psum`` in the narrowest integer
+type that cannot overflow for the axis size (for 4-bit QSGD on 8 devices,
+int8). One rounding instead of two, so less error; but an all-reduce of 8-bit
+integers sends ``2 (n - 1) / n`` bytes a coordinate whatever the code width,
+so it saves at most 4x. Only compressors with a shared-scale form (:class:`QSGD`,
 :class:`MinMax`) support it.
 
 Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
@@ -424,12 +424,11 @@ def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sen
   results, sent_error = [], []
   for k, v in enumerate(vectors):
     scales = compressor.local_scales(v)
-    shared = jnp.stack(
-        [jax.lax.pmax(scales[:, c], axis_name) if how == "max"
-         else jax.lax.pmin(scales[:, c], axis_name)
-         for c, how in enumerate(compressor.scale_reductions)],
-        axis=1,
-    )
+    # One pmax for every scale column, a "min" column negated (exactly). XLA:CPU's
+    # max all-reduce skips NaN, so a NaN scale goes as +inf and stays non-finite.
+    signs = jnp.array([1.0 if how == "max" else -1.0 for how in compressor.scale_reductions])
+    oriented = scales * signs
+    shared = jax.lax.pmax(jnp.where(jnp.isnan(oriented), jnp.inf, oriented), axis_name) * signs
     codes = compressor.integer_codes(jax.random.fold_in(key, k), v, shared)
     low, high = compressor.code_range
     sum_dtype = _narrowest_int(n * low, n * high)

@@ -91,9 +91,16 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
       continue
     kind, result_type = match.group("op"), match.group("type")
     arrays = _array_bytes(result_type)
-    # An asynchronous start returning a tuple holds (operand, result, ...).
-    is_async_tuple = match.group("start") and result_type.startswith("(") and kind != "all-to-all"
-    result_bytes = arrays[1] if is_async_tuple and len(arrays) > 1 else sum(arrays)
+    # Asynchronous starts: an all-gather-start returns (operands, results), a
+    # collective-permute-start (operand, result, context); an all-reduce-start
+    # has the all-reduce's own shape, a tuple of every result when combined.
+    is_async_tuple = match.group("start") and result_type.startswith("(")
+    if is_async_tuple and kind == "all-gather":
+      result_bytes = sum(arrays[len(arrays) // 2 :])
+    elif is_async_tuple and kind == "collective-permute":
+      result_bytes = arrays[1]
+    else:
+      result_bytes = sum(arrays)
     n = _group_size(line, devices)
     if kind == "all-reduce":
       sent = 2 * (n - 1) / n * result_bytes
