@@ -1,0 +1,73 @@
+"""Runs the benchmark suite and writes ``SUMMARY.md`` beside the JSON and PNG results.
+
+Each script also runs alone; this runs them in turn (each in its own process,
+so each sets up JAX its own way), keeps what each printed, and writes a
+markdown summary with the command that reproduces every section.
+
+  python benchmarks/run_all.py            # the full sizes, for the record
+  python benchmarks/run_all.py --quick    # small sizes, a quick look
+"""
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+# (title, script, arguments at full size, arguments for --quick)
+SUITE = (
+    ("Compressor throughput (one CPU device)", "compressor_throughput.py",
+     ["--size", "4194304"], ["--size", "1048576", "--repeats", "5"]),
+    ("Elias codec: throughput and bits a coordinate", "elias_codec.py",
+     ["--size", "1000000"], ["--size", "100000"]),
+    ("Statistical quality: bits against variance", "variance.py",
+     ["--size", "1048576", "--keys", "32"], ["--size", "65536", "--keys", "8"]),
+    ("Wire bytes from the HLO and step times (8 simulated CPU devices)", "collectives.py",
+     [], ["--small"]),
+    ("Error feedback for 1-bit SGD on digits", "error_feedback.py", [], ["--quick"]),
+    ("Alpha-beta cost model", "cost_model.py", [], []),
+)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="small sizes")
+  parser.add_argument("--out", type=pathlib.Path, default=_HERE / "results")
+  args = parser.parse_args()
+  args.out.mkdir(parents=True, exist_ok=True)
+  environment = dict(os.environ)
+  environment["PYTHONPATH"] = os.pathsep.join(
+      filter(None, [str(_HERE.parent), environment.get("PYTHONPATH")]))
+
+  sections = ["# Benchmark results", "",
+              f"Made by `python benchmarks/run_all.py{' --quick' if args.quick else ''}`.", ""]
+  failed = []
+  for title, script, full, quick in SUITE:
+    command = [sys.executable, str(_HERE / script), *(quick if args.quick else full),
+               "--out", str(args.out)]
+    shown = " ".join(["python", f"benchmarks/{script}", *command[2:]])
+    print(f"== {title}: {shown}", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=environment,
+                            check=False)
+    seconds = time.perf_counter() - start
+    print(result.stdout, flush=True)
+    if result.returncode:
+      failed.append(script)
+      print(result.stderr[-4000:], file=sys.stderr, flush=True)
+    sections += [f"## {title}", "", f"`{shown}` ({seconds:.0f} s"
+                 + (f", exit code {result.returncode}" if result.returncode else "") + ")",
+                 "", "```", result.stdout.strip(), "```", ""]
+  plots = sorted(p.name for p in args.out.glob("*.png"))
+  sections += ["## Plots", ""] + [f"![{name}]({name})" for name in plots] + [""]
+  (args.out / "SUMMARY.md").write_text("\n".join(sections))
+  print(f"wrote {args.out / 'SUMMARY.md'}")
+  if failed:
+    sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+  main()
