@@ -27,7 +27,8 @@ SUITE = (
      ["--size", "1048576", "--keys", "32"], ["--size", "65536", "--keys", "8"]),
     ("Wire bytes from the HLO and step times (8 simulated CPU devices)", "collectives.py",
      [], ["--small"]),
-    ("Error feedback for 1-bit SGD on digits", "error_feedback.py", [], ["--quick"]),
+    ("Error feedback for 1-bit SGD on digits", "error_feedback.py", [],
+     ["--seeds", "2", "--steps", "100"]),
     ("Alpha-beta cost model", "cost_model.py", [], []),
 )
 
@@ -35,8 +36,11 @@ SUITE = (
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes")
-  parser.add_argument("--out", type=pathlib.Path, default=_HERE / "results")
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="default: benchmarks/results, or benchmarks/results/quick with --quick")
   args = parser.parse_args()
+  if args.out is None:
+    args.out = _HERE / "results" / "quick" if args.quick else _HERE / "results"
   args.out.mkdir(parents=True, exist_ok=True)
   environment = dict(os.environ)
   environment["PYTHONPATH"] = os.pathsep.join(
