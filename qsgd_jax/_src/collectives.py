@@ -26,6 +26,12 @@ so it saves at most 4x. Only compressors with a shared-scale form (:class:`QSGD`
 
 Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
+
+A leaf whose size is not a multiple of ``n * bucket_size`` is padded with zeros
+to whole buckets. The padding is dropped after decoding; QSGD's scales ignore
+it, MinMax's last bucket widens its range to include 0, and OneBit's last
+bucket counts it among the non-negative entries (a small bias of one bucket a
+leaf, which error feedback absorbs).
 """
 
 import itertools
