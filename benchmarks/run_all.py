@@ -52,7 +52,8 @@ def main() -> None:
   for title, script, full, quick in SUITE:
     command = [sys.executable, str(_HERE / script), *(quick if args.quick else full),
                "--out", str(args.out)]
-    shown = " ".join(["python", f"benchmarks/{script}", *command[2:]])
+    shown = " ".join(["python", f"benchmarks/{script}", *(quick if args.quick else full),
+                      "--out", os.path.relpath(args.out, _HERE.parent)])
     print(f"== {title}: {shown}", flush=True)
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=environment,
