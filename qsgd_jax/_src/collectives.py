@@ -192,8 +192,9 @@ def reduce_compressed(
   if method == "psum" and chunk_error is not None:
     raise ValueError("chunk_error needs method='two_phase': 'psum' has no chunk owners.")
   outer, inner = _split_axes(axis_name)
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = [_check_float_leaf(path, leaf) for path, leaf in paths_leaves]
+  base.check_float_leaves(tree, "quantized reduction")
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
   inner_size = math.prod(jax.lax.axis_size(a) for a in inner)
   outer_size = jax.lax.axis_size(outer)
   total_size = inner_size * outer_size
@@ -289,16 +290,6 @@ def _split_axes(axis_name: AxisName) -> tuple[str, tuple[str, ...]]:
       raise ValueError("axis_name must name at least one axis, got an empty tuple.")
     return axis_name[0], tuple(axis_name[1:])
   return axis_name, ()
-
-
-def _check_float_leaf(path, leaf) -> jax.Array:
-  leaf = jnp.asarray(leaf)
-  if not jnp.issubdtype(leaf.dtype, jnp.floating):
-    raise TypeError(
-        f"Leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {leaf.dtype}; "
-        "compressed reductions need floating-point leaves."
-    )
-  return leaf
 
 
 def _piece_len(compressor: base.Compressor, size: int, num_pieces: int) -> int:

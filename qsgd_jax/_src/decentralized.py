@@ -159,7 +159,7 @@ def low_precision_decentralized(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    _check_float_leaves(params)
+    base.check_float_leaves(params, "low_precision_decentralized")
     return LowPrecisionDecentralizedState(
         inner_state=inner.init(params),
         left_replica=jax.tree.map(jnp.copy, params),
@@ -173,14 +173,8 @@ def low_precision_decentralized(
           "low_precision_decentralized: update needs the worker's params: "
           "call update(updates, state, params)."
       )
-    _check_float_leaves(params)
-    try:
-      size = jax.lax.axis_size(axis_name)
-    except NameError as error:
-      raise NameError(
-          f"low_precision_decentralized: axis_name {axis_name!r} is not bound: call update "
-          f"inside jax.pmap(..., axis_name={axis_name!r}) or a jax.shard_map over that axis."
-      ) from error
+    base.check_float_leaves(params, "low_precision_decentralized")
+    size = base.bound_axis_size(axis_name, "low_precision_decentralized")
     if size < 2:
       raise ValueError(
           f"low_precision_decentralized: axis {axis_name!r} has size {size}; "
@@ -301,13 +295,3 @@ def averaged_params(params: optax.Params, axis_name: Any) -> optax.Params:
            [2., 4.]], dtype=float32)
   """
   return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), params)
-
-
-def _check_float_leaves(params: optax.Params) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-          f"low_precision_decentralized: parameter {jax.tree_util.keystr(path)} has dtype "
-          f"{dtype}; only floating-point parameters can be mixed and quantized."
-      )

@@ -205,7 +205,7 @@ def compressed_allreduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    _check_bound(axis_name)
+    base.bound_axis_size(axis_name, "compressed_allreduce")
     next_key, step_key = jax.random.split(state.key)
     treedef = jax.tree.structure(updates)
     is_compressed = [math.prod(jnp.shape(leaf)) >= min_compressed_size
@@ -424,18 +424,6 @@ def _all_finite(tree) -> jax.Array:
 def _scalar_allreduce_bits(axis_name) -> float:
   """Bits one device sends in an all-reduce of one float32 over ``axis_name``."""
   return collectives.float32_allreduce_bits(jnp.zeros(()), axis_name)
-
-
-def _check_bound(axis_name) -> None:
-  names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
-  for name in names:
-    try:
-      jax.lax.axis_size(name)
-    except NameError as error:
-      raise NameError(
-          f"axis_name {name!r} is not bound: call the update inside "
-          f"jax.pmap(..., axis_name={name!r}) or a jax.shard_map over a mesh with that axis."
-      ) from error
 
 
 def _elias_wire_bits(updates, compressor, key, wire_bits, min_compressed_size):
