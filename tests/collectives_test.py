@@ -463,17 +463,26 @@ def _lowered(compressor, method, min_compressed_size=_MIN_COMPRESSED):
   return reduce.lower(_hlo_tree())
 
 
+def _payload_words(compressor):
+  """Words of the payload a device sends each peer in the first phase.
+
+  With a fixed bucket size, the pieces of every large leaf (whole buckets
+  each) lie side by side and are encoded as one vector; with
+  ``bucket_size=None``, each leaf's piece is one bucket, encoded alone.
+  """
+  lengths = [_piece_len(compressor, size, NUM_DEVICES)
+             for size in _HLO_TREE_SIZES.values() if size >= _MIN_COMPRESSED]
+  if compressor.bucket_size is None:
+    return sum(compressor.wire_bits((length,)) // 32 for length in lengths)
+  return compressor.wire_bits((sum(lengths),)) // 32
+
+
 def _check_two_phase_collectives(compressor, text):
   found = qsgd_jax.collectives_in_hlo(text)
   assert sorted(c.kind for c in found) == ["all-gather", "all-reduce", "all-to-all"]
   (all_reduce,) = [c for c in found if c.kind == "all-reduce"]
   assert all_reduce.result_type.startswith("f32[30]")  # both small leaves, fused
-  # A device's row holds, for each large leaf, its piece's payload: whole
-  # buckets of that leaf alone (or one bucket a piece when bucket_size=None).
-  words = sum(
-      compressor.wire_bits((_piece_len(compressor, size, NUM_DEVICES),)) // 32
-      for size in _HLO_TREE_SIZES.values() if size >= _MIN_COMPRESSED
-  )
+  words = _payload_words(compressor)
   for c in found:
     if c.kind != "all-reduce":
       assert c.result_bytes == NUM_DEVICES * words * 4, c
@@ -487,6 +496,16 @@ def test_two_phase_hlo_has_one_all_to_all_one_all_gather_one_all_reduce():
   _check_two_phase_collectives(compressor, text)
   # XLA leaves the collectives' shapes alone: the unoptimized HLO counts the same.
   assert qsgd_jax.wire_bytes(lowered.as_text(dialect="hlo")) == qsgd_jax.wire_bytes(text)
+
+
+def test_bucketed_pieces_of_every_leaf_are_encoded_as_one_vector():
+  # 3-bit codes in buckets of 5: one leaf's piece alone would end in a part word.
+  compressor = qsgd_jax.QSGD(bits=3, bucket_size=5)
+  per_leaf = sum(compressor.wire_bits((_piece_len(compressor, size, NUM_DEVICES),)) // 32
+                 for size in _HLO_TREE_SIZES.values() if size >= _MIN_COMPRESSED)
+  assert _payload_words(compressor) < per_leaf
+  _check_two_phase_collectives(
+      compressor, _lowered(compressor, "two_phase").as_text(dialect="hlo"))
 
 
 def test_bucket_size_none_sends_one_bucket_a_leaf_piece():
@@ -552,10 +571,10 @@ def _resnet50_gradient_shapes():
 def test_resnet50_two_phase_sends_fewer_bytes_than_float32_pmean(compressor, at_least):
   """Bytes a device sends, from the HLO, against a float32 pmean of the same tree.
 
-  The HLO before optimization: compiling this tree takes a minute a
-  compressor on CPU, and the tests above check that optimization leaves the
-  collectives' bytes alone. ``benchmarks/collectives.py`` reads the compiled
-  HLO (QSGD 4-bit 7.76x, 8-bit 3.94x, MinMax 8-bit 3.97x, OneBit 26.9x).
+  The HLO before optimization, which skips compiling (the tests above check
+  that optimization leaves the collectives' bytes alone).
+  ``benchmarks/collectives.py`` reads the compiled HLO of this tree and of a
+  GPT-2-small-sized one.
   """
   shapes = _resnet50_gradient_shapes()
   assert sum(math.prod(s) for s in shapes.values()) == 25_557_032
