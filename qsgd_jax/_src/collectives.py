@@ -27,11 +27,10 @@ so it saves at most 4x. Only compressors with a shared-scale form (:class:`QSGD`
 Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
 
-With a fixed ``bucket_size`` (buckets never straddle leaves), the large leaves
-are laid side by side and quantized as one vector: one encode and one decode
-however many leaves the tree has, so the compiled program stays small
-(ResNet-50's 161 leaves compile in seconds). Other compressors quantize each
-leaf alone.
+With a fixed ``bucket_size``, each leaf is padded to whole buckets and the
+large leaves are quantized side by side as one vector, one encode and one
+decode for the whole tree (see ``grouping.py``); other compressors quantize
+each leaf alone.
 
 A leaf whose size is not a multiple of ``n * bucket_size`` is padded with zeros
 to whole buckets. The padding is dropped after decoding; QSGD's scales ignore
@@ -47,7 +46,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qsgd_jax._src import base, serialize
+from qsgd_jax._src import base, grouping, serialize
 
 AxisName = str | tuple[str, ...]
 
@@ -369,40 +368,15 @@ def _local_error_leaf(error: jax.Array, shape, inner: tuple[str, ...], size: int
   return error.reshape(-1)[:size].reshape(shape)
 
 
-def _encoding_groups(compressor: base.Compressor, count: int) -> list[list[int]]:
-  """Which leaves' pieces are encoded together, as one vector.
-
-  A compressor with an integer ``bucket_size`` quantizes every bucket on its
-  own, and each leaf's piece is whole buckets, so the pieces of all leaves
-  side by side are encoded exactly as they would be one by one, up to the
-  random draws: one encode for the whole tree, which keeps the compiled
-  program (and its compile time) the same size however many leaves there
-  are. Other compressors (one bucket a vector, or no buckets) encode each
-  leaf's piece alone.
-  """
-  if _fixed_bucket_size(compressor) is not None:
-    return [list(range(count))]
-  return [[k] for k in range(count)]
-
-
-def _fixed_bucket_size(compressor: base.Compressor) -> int | None:
-  """The compressor's ``bucket_size`` where it is a fixed number of elements."""
-  bucket = getattr(compressor, "bucket_size", None)
-  return bucket if isinstance(bucket, int) and not isinstance(bucket, bool) else None
-
-
 def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, want_sent_error):
   n = jax.lax.axis_size(axis_name)
   index = jax.lax.axis_index(axis_name)
   send_key, gather_key = jax.random.split(key)
   lengths = [_piece_len(compressor, v.size, n) for v in vectors]
-  groups = _encoding_groups(compressor, len(vectors))
+  groups = grouping.groups(compressor, len(vectors))
   # rows[g][j]: piece j of every leaf of group g, side by side.
-  rows = [
-      jnp.concatenate([jnp.pad(vectors[k], (0, n * lengths[k] - vectors[k].size))
-                       .reshape(n, lengths[k]) for k in group], axis=1)
-      for group in groups
-  ]
+  rows = grouping.join([jnp.pad(v, (0, n * length - v.size)).reshape(n, length)
+                        for v, length in zip(vectors, lengths, strict=True)], groups, lengths)
   templates = [jax.eval_shape(compressor.encode, key,
                               jax.ShapeDtypeStruct((r.shape[1],), jnp.float32)) for r in rows]
   widths = [serialize.num_words(t) for t in templates]
@@ -421,8 +395,8 @@ def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, wan
   owned = [jnp.sum(decoded, axis=0) for decoded in unpack(received)]
   owned = [o / divisor for o in owned] if divisor != 1 else owned
   if owned_error is not None:
-    owned = [o + jnp.concatenate([owned_error[k] for k in group])
-             for o, group in zip(owned, groups, strict=True)]
+    owned = [o + e for o, e in zip(owned, grouping.join(owned_error, groups, lengths),
+                                   strict=True)]
 
   # Phase 2: each owner re-quantizes its sum; everyone decodes every sum.
   mine = jnp.concatenate([
@@ -431,27 +405,18 @@ def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, wan
   ])
   gathered = jax.lax.all_gather(mine, axis_name, tiled=False, to="invarying")
   gathered_rows = unpack(gathered)
-  results = _ungroup(gathered_rows, groups, lengths)
+  results = grouping.split(gathered_rows, groups, lengths)
 
   new_owned = None
   if owned_error is not None:
     residuals = [o - jax.lax.dynamic_index_in_dim(r, index, keepdims=False)
                  for o, r in zip(owned, gathered_rows, strict=True)]
-    new_owned = [e[0] for e in _ungroup([r[None] for r in residuals], groups, lengths)]
+    new_owned = grouping.split(residuals, groups, lengths)
   sent_error = None
   if want_sent_error:
-    sent_error = [e.reshape(-1) for e in _ungroup(
+    sent_error = [e.reshape(-1) for e in grouping.split(
         [r - decode_rows(p) for r, p in zip(rows, payloads, strict=True)], groups, lengths)]
   return [r.reshape(-1) for r in results], sent_error, new_owned
-
-
-def _ungroup(blocks, groups, lengths) -> list[jax.Array]:
-  """Per-leaf ``[rows, lengths[k]]`` column blocks of each group's ``[rows, sum]`` matrix."""
-  out = [None] * len(lengths)
-  for block, group in zip(blocks, groups, strict=True):
-    for k, column in zip(group, _split(block, [lengths[k] for k in group], axis=1), strict=True):
-      out[k] = column
-  return out
 
 
 def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sent_error):
@@ -461,10 +426,9 @@ def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sen
         f"got {compressor!r}."
     )
   n = jax.lax.axis_size(axis_name)
-  groups = _encoding_groups(compressor, len(vectors))
-  lengths = [_bucket_aligned_len(compressor, v.size) for v in vectors]
-  blocks = [jnp.concatenate([jnp.pad(vectors[k], (0, lengths[k] - vectors[k].size))
-                             for k in group]) for group in groups]
+  groups = grouping.groups(compressor, len(vectors))
+  lengths = [grouping.aligned_len(compressor, v.size) for v in vectors]
+  blocks = grouping.join(vectors, groups, lengths)
   signs = jnp.array([1.0 if how == "max" else -1.0 for how in compressor.scale_reductions])
   low, high = compressor.code_range
   sum_dtype = _narrowest_int(n * low, n * high)
@@ -476,21 +440,15 @@ def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sen
     shared = jax.lax.pmax(jnp.where(jnp.isnan(oriented), jnp.inf, oriented), axis_name) * signs
     codes = compressor.integer_codes(jax.random.fold_in(key, g), v, shared)
     total = jax.lax.psum(codes.astype(sum_dtype), axis_name)
-    summed.append(compressor.decode_code_sum(total, shared, n, v.shape)[None] / divisor)
+    summed.append(compressor.decode_code_sum(total, shared, n, v.shape) / divisor)
     if want_sent_error:
-      sent.append((v - compressor.decode_code_sum(codes, shared, 1, v.shape))[None])
-  results = [r[0, : v.size] for r, v in zip(_ungroup(summed, groups, lengths), vectors,
-                                            strict=True)]
-  if not want_sent_error:
-    return results, None
-  return results, [e[0, : v.size] for e, v in zip(_ungroup(sent, groups, lengths), vectors,
-                                                  strict=True)]
+      sent.append(v - compressor.decode_code_sum(codes, shared, 1, v.shape))
 
+  def unpadded(blocks):
+    return [b[: v.size] for b, v in zip(grouping.split(blocks, groups, lengths), vectors,
+                                        strict=True)]
 
-def _bucket_aligned_len(compressor: base.Compressor, size: int) -> int:
-  """``size`` rounded up to whole buckets where the buckets have a fixed size."""
-  bucket = _fixed_bucket_size(compressor)
-  return size if bucket is None else -(-size // bucket) * bucket
+  return unpadded(summed), (unpadded(sent) if want_sent_error else None)
 
 
 def _narrowest_int(low: int, high: int):
@@ -545,14 +503,14 @@ def wire_bits(
         serialize.num_words(jax.eval_shape(
             compressor.encode, jax.random.key(0),
             jax.ShapeDtypeStruct((sum(lengths[k] for k in group),), jnp.float32)))
-        for group in _encoding_groups(compressor, len(large))
+        for group in grouping.groups(compressor, len(large))
     )
     return bits + 2 * (n_outer - 1) * 32 * words  # All-to-all, then all-gather.
   all_reduce = 2 * (n_outer - 1) / n_outer
   low, high = compressor.code_range
   code_bits = 8 * jnp.dtype(_narrowest_int(n_outer * low, n_outer * high)).itemsize
-  lengths = [_bucket_aligned_len(compressor, s) for s in large]
-  for group in _encoding_groups(compressor, len(large)):
+  lengths = [grouping.aligned_len(compressor, s) for s in large]
+  for group in grouping.groups(compressor, len(large)):
     size = sum(lengths[k] for k in group)
     scales = jax.eval_shape(compressor.local_scales, jax.ShapeDtypeStruct((size,), jnp.float32))
     bits += all_reduce * (32 * math.prod(scales.shape) + code_bits * size)

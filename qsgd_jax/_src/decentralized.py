@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, serialize
+from qsgd_jax._src import base, grouping, serialize
 from qsgd_jax._src.minmax import MinMax
 
 _TOPOLOGIES = ("ring",)
@@ -62,8 +62,9 @@ def low_precision_decentralized(
   to one, :math:`z_i` is computed as :math:`u_i + \sum_{j \ne i} W_{ij}
   (\hat x_j - x_i)`, which is the same quantity with less cancellation.
 
-  Each worker encodes :math:`z_i` once a leaf, packs every leaf's payload into
-  one ``uint32`` buffer, sends it to both neighbours with one
+  Each worker encodes :math:`z_i` once a leaf (or, with a fixed
+  ``bucket_size``, all leaves side by side in one encode), packs the payloads
+  into one ``uint32`` buffer, sends it to both neighbours with one
   ``jax.lax.ppermute`` each, and returns :math:`Q(z_i)` decoded
   from the same payload as its update, so ``optax.apply_updates`` gives
   :math:`x_{i,t+1}`; the receivers add the same decoded values to their
@@ -185,7 +186,6 @@ def low_precision_decentralized(
     worker_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
 
     leaves, treedef = jax.tree.flatten(params)
-    leaf_keys = jax.random.split(worker_key, len(leaves))
     lefts = treedef.flatten_up_to(state.left_replica)
     rights = treedef.flatten_up_to(state.right_replica)
     # Worker i sends to i + 1 along `to_right`, so what arrives came from its left peer.
@@ -201,11 +201,25 @@ def low_precision_decentralized(
         differences.append(local_step + (right - x) / 2)
       else:
         differences.append(local_step + ((left - x) + (right - x)) / 3)
-    payloads = [compressor.encode(k, z) for k, z in zip(leaf_keys, differences, strict=True)]
+    index_groups = grouping.groups(compressor, len(leaves))
+    lengths = [grouping.aligned_len(compressor, x.size) for x in leaves]
+    if len(index_groups) == len(leaves):  # Each leaf alone, in its own shape and dtype.
+      blocks = differences
+    else:
+      blocks = grouping.join([z.astype(jnp.float32).reshape(-1) for z in differences],
+                             index_groups, lengths)
+    block_keys = jax.random.split(worker_key, len(blocks))
+    payloads = [compressor.encode(k, b) for k, b in zip(block_keys, blocks, strict=True)]
     # All leaves travel as one uint32 buffer: one ppermute a direction.
     words = jnp.concatenate([serialize.to_words(p) for p in payloads])
     from_left = jax.lax.ppermute(words, axis_name, to_right)
     from_right = from_left if size == 2 else jax.lax.ppermute(words, axis_name, to_left)
+
+    def as_leaves(decoded_blocks):
+      if len(index_groups) == len(leaves):
+        return decoded_blocks
+      return [b[: x.size].reshape(x.shape) for b, x in zip(
+          grouping.split(decoded_blocks, index_groups, lengths), leaves, strict=True)]
 
     def decoded(buffer):
       out, start = [], 0
@@ -214,11 +228,11 @@ def low_precision_decentralized(
         received = serialize.from_words(buffer[start : start + width], payload)
         out.append(compressor.decode(received))
         start += width
-      return out
+      return as_leaves(out)
 
     new_updates, new_lefts, new_rights = [], [], []
     for x, own, left_step, right_step, left, right in zip(
-        leaves, [compressor.decode(p) for p in payloads], decoded(from_left),
+        leaves, as_leaves([compressor.decode(p) for p in payloads]), decoded(from_left),
         decoded(from_right), lefts, rights, strict=True
     ):
       new_updates.append(own.astype(x.dtype))

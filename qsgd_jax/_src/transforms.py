@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, collectives
+from qsgd_jax._src import base, collectives, grouping
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD
 
@@ -429,17 +429,21 @@ def _scalar_allreduce_bits(axis_name) -> float:
 def _elias_wire_bits(updates, compressor, key, wire_bits, min_compressed_size):
   """``wire_bits`` scaled by Elias size / packed size of this device's payloads.
 
-  The device's gradient leaves are encoded once more with the step's key, and
-  their levels Elias-coded (the smaller variant per bucket): the fraction of
-  the fixed-width payload that Elias coding would take.
+  The device's large gradient leaves are encoded once more with the step's
+  key (side by side where the buckets have a fixed size, as the reduction
+  encodes them), and their levels Elias-coded (the smaller variant per
+  bucket): the fraction of the fixed-width payload that Elias coding would
+  take.
   """
-  packed_bits, elias_total = 0, jnp.zeros((), jnp.float32)
-  for leaf in jax.tree.leaves(updates):
-    if leaf.size < min_compressed_size:
-      continue
-    payload = compressor.encode(key, leaf)
-    packed_bits += compressor.wire_bits(leaf.shape, leaf.dtype)
-    elias_total += compressor.elias_bits(payload).smaller.astype(jnp.float32)
-  if not packed_bits:
+  vectors = [leaf.astype(jnp.float32).reshape(-1) for leaf in jax.tree.leaves(updates)
+             if leaf.size >= min_compressed_size]
+  if not vectors:
     return jnp.asarray(wire_bits, jnp.float32)
+  groups = grouping.groups(compressor, len(vectors))
+  lengths = [grouping.aligned_len(compressor, v.size) for v in vectors]
+  packed_bits, elias_total = 0, jnp.zeros((), jnp.float32)
+  for g, block in enumerate(grouping.join(vectors, groups, lengths)):
+    payload = compressor.encode(jax.random.fold_in(key, g), block)
+    packed_bits += compressor.wire_bits(block.shape)
+    elias_total += compressor.elias_bits(payload).smaller.astype(jnp.float32)
   return wire_bits * elias_total / packed_bits
