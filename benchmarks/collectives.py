@@ -3,27 +3,27 @@
 Three measurements on 8 simulated CPU devices, each variant reduced under
 ``jax.shard_map`` over one axis:
 
-1. **Wire bytes** per device for ResNet-50's gradient tree (161 leaves,
-   25,557,032 parameters: conv kernels ``(k, k, c_in, c_out)``, BatchNorm
-   scales and biases, the 2048 x 1000 classifier and its bias), read from the
-   compiled HLO with :func:`qsgd_jax.wire_bytes`, for a float32 ``pmean`` and
-   for every compressor and method, with the ratio to the float32 ``pmean``.
-   ``--small`` uses the quarter-width tree below instead.
+1. **Wire bytes** per device, read from the compiled HLO with
+   :func:`qsgd_jax.wire_bytes`, for a float32 ``pmean`` and for every
+   compressor and method, with the ratio to the float32 ``pmean``, on two
+   gradient trees: ResNet-50's (161 leaves, 25,557,032 parameters: conv
+   kernels ``(k, k, c_in, c_out)``, BatchNorm scales and biases, the
+   2048 x 1000 classifier and its bias) and GPT-2 small's (148 leaves,
+   124,439,808 parameters: token and position embeddings, 12 blocks of
+   attention and MLP kernels and biases and LayerNorms, the output head tied
+   to the token embedding). ``--small`` divides every width by 4.
 2. **Step time**: the median over ``--repeats`` calls, each waited on with
    ``jax.block_until_ready``, of each variant and of the float32 ``pmean``,
-   timed alternately so both see the same background load, on ResNet-50 at a
-   quarter of its width (the same 161 leaves, 1,993,976 parameters), with the
-   relative error of the result against the exact mean of normal inputs.
+   timed alternately so both see the same background load, with the relative
+   error of the result against the exact mean of normal inputs; on ResNet-50
+   and on GPT-2 small at a quarter of its width (``--small``: both at a
+   quarter of their width).
 3. **min_compressed_size**: wire bytes, compile time and step time of 4-bit
-   QSGD (two phases) on the full ResNet-50 tree for several thresholds
-   (``--small``: on the quarter-width tree).
+   QSGD (two phases) on ResNet-50 for several thresholds.
 
 On simulated devices the step time measures the encoding and decoding work
 and the copies, not a network: the devices share this machine's memory.
-
-Compiling the two-phase reduction of this tree takes about a minute a
-variant on CPU (the full run, about 20 minutes on 2 busy cores), so each
-executable is compiled once and reused.
+Each executable is compiled once and reused.
 
 Usage::
 
@@ -98,6 +98,29 @@ def resnet50_shapes(width_divisor: int = 1) -> dict[str, tuple[int, ...]]:
       channels = 4 * width
   shapes["dense/kernel"] = (channels, 1000)
   shapes["dense/bias"] = (1000,)
+  return shapes
+
+
+def gpt2_small_shapes(width_divisor: int = 1) -> dict[str, tuple[int, ...]]:
+  """GPT-2 small's parameter shapes (Radford et al. 2019), the width divided by ``width_divisor``.
+
+  A 50,257-token vocabulary, 1,024 positions, 12 blocks of width 768 (the
+  MLP 4x wider), LayerNorm scales and biases; the output head shares the
+  token embedding, so it has no leaf of its own.
+  """
+  width = 768 // width_divisor
+  shapes = {"wte": (50257, width), "wpe": (1024, width)}
+  for block in range(12):
+    prefix = f"h{block}"
+    shapes.update({
+        f"{prefix}/ln_1/scale": (width,), f"{prefix}/ln_1/bias": (width,),
+        f"{prefix}/attn/qkv/kernel": (width, 3 * width), f"{prefix}/attn/qkv/bias": (3 * width,),
+        f"{prefix}/attn/proj/kernel": (width, width), f"{prefix}/attn/proj/bias": (width,),
+        f"{prefix}/ln_2/scale": (width,), f"{prefix}/ln_2/bias": (width,),
+        f"{prefix}/mlp/fc/kernel": (width, 4 * width), f"{prefix}/mlp/fc/bias": (4 * width,),
+        f"{prefix}/mlp/proj/kernel": (4 * width, width), f"{prefix}/mlp/proj/bias": (width,),
+    })
+  shapes.update({"ln_f/scale": (width,), "ln_f/bias": (width,)})
   return shapes
 
 
@@ -284,7 +307,7 @@ def threshold_section(bench: Bench, tree_name: str, shapes, repeats: int) -> dic
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true",
-                      help="wire bytes and thresholds on the quarter-width tree (quick)")
+                      help="every tree at a quarter of its width (quick)")
   parser.add_argument("--repeats", type=int, default=5, help="timed calls a variant")
   parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                       help="which measurements to run (default: all)")
@@ -292,8 +315,15 @@ def main() -> None:
   args = parser.parse_args()
 
   bench = Bench()
-  small = ("resnet50_quarter_width", resnet50_shapes(4))
-  large = small if args.small else ("resnet50", resnet50_shapes())
+  quarter = {"resnet50_quarter_width": resnet50_shapes(4),
+             "gpt2_small_quarter_width": gpt2_small_shapes(4)}
+  if args.small:
+    wire_trees = timing_trees = quarter
+  else:
+    wire_trees = {"resnet50": resnet50_shapes(), "gpt2_small": gpt2_small_shapes()}
+    timing_trees = {"resnet50": wire_trees["resnet50"],
+                    "gpt2_small_quarter_width": quarter["gpt2_small_quarter_width"]}
+  threshold_tree = next(iter(wire_trees.items()))
   started = time.perf_counter()
   report = {
       "jax": jax.__version__,
@@ -305,11 +335,14 @@ def main() -> None:
       "repeats": args.repeats,
   }
   if "wire" in args.sections:
-    report["wire"] = {large[0]: wire_section(bench, *large)}
+    report["wire"] = {name: wire_section(bench, name, shapes)
+                      for name, shapes in wire_trees.items()}
   if "timing" in args.sections:
-    report["timing"] = {small[0]: timing_section(bench, *small, args.repeats)}
+    report["timing"] = {name: timing_section(bench, name, shapes, args.repeats)
+                        for name, shapes in timing_trees.items()}
   if "threshold" in args.sections:
-    report["min_compressed_size"] = {large[0]: threshold_section(bench, *large, args.repeats)}
+    report["min_compressed_size"] = {
+        threshold_tree[0]: threshold_section(bench, *threshold_tree, args.repeats)}
   report["load_average_at_end"] = os.getloadavg()
   report["seconds"] = time.perf_counter() - started
   args.out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,20 @@
 """Throughput of each compressor against a memory-bound elementwise pass.
 
-For every compressor this times, on one CPU device, a jitted ``encode``, a
-jitted ``decode`` and a jitted ``decode(encode(x))`` of one float32 array, and
-reports each as a ratio to the time of ``x * 2 + 1`` over the same array: one
-fused read and write, the floor a compressor that touches every element cannot
-beat by much. It also reports the ratio for ``jax.random.uniform`` and for the
-package's hash-based ``uniform_grid`` of the same size, since one uniform draw
-an element is the bulk of a stochastic quantizer's arithmetic.
+For every compressor this times, on one device (JAX's default one, or the
+platform ``--platform`` names), a jitted ``encode``, a jitted ``decode`` and a
+jitted ``decode(encode(x))`` of one float32 array, and reports each as a ratio
+to the time of ``x * 2 + 1`` over the same array: one fused read and write,
+the floor a compressor that touches every element cannot beat by much.
+
+It also reports encode and decode as memory traffic (bytes read plus bytes
+written: the float32 array and the payload) in GB/s, and as a fraction of the
+device's memory bandwidth: the datasheet figure for known accelerators (or
+``--peak-gb-per-s``), and on a CPU the rate this run measures for
+``x * 2 + 1``, since a CPU's attainable bandwidth depends on its cores.
+
+It also reports the ratio for ``jax.random.uniform`` and for the package's
+hash-based ``uniform_grid`` of the same size, since one uniform draw an
+element is the bulk of a stochastic quantizer's arithmetic.
 
 Timings are medians over repeated calls after a warm-up call, each call waited
 on with ``jax.block_until_ready``. The floor is timed in a block before the
@@ -21,6 +29,7 @@ run under ``taskset -c 0``.
 Usage::
 
   python benchmarks/compressor_throughput.py --size 4194304 --out benchmarks/results/
+  python benchmarks/compressor_throughput.py --platform gpu --size 268435456
 """
 
 import argparse
@@ -32,13 +41,11 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402  (the platform is chosen before JAX starts)
-import jax.numpy as jnp  # noqa: E402
-
-import qsgd_jax  # noqa: E402
-from qsgd_jax._src import rounding  # noqa: E402
+import qsgd_jax
+from qsgd_jax._src import rounding
 
 COMPRESSORS = {
     "qsgd_4bit_bucket512_max": qsgd_jax.QSGD(bits=4, bucket_size=512, norm="max"),
@@ -48,6 +55,32 @@ COMPRESSORS = {
     "cast_bfloat16": qsgd_jax.Cast(jnp.bfloat16),
     "identity": qsgd_jax.Identity(),
 }
+
+
+# Datasheet memory bandwidth in GB/s, by a prefix of ``device_kind``.
+PEAK_MEMORY_GB_PER_S = {
+    "NVIDIA H200": 4800,
+    "NVIDIA H100 80GB HBM3": 3350,
+    "NVIDIA H100 PCIe": 2000,
+    "NVIDIA A100-SXM4-80GB": 2039,
+    "NVIDIA A100-SXM4-40GB": 1555,
+    "NVIDIA A100-PCIE-40GB": 1555,
+    "NVIDIA A100 80GB PCIe": 1935,
+    "NVIDIA L4": 300,
+    "Tesla V100": 900,
+    "TPU v4": 1200,
+    "TPU v5 lite": 819,
+    "TPU v5p": 2765,
+    "TPU v6 lite": 1640,
+}
+
+
+def datasheet_bandwidth(device) -> float | None:
+  """The device's memory bandwidth in GB/s from :data:`PEAK_MEMORY_GB_PER_S`, or None."""
+  for prefix, gb_per_s in PEAK_MEMORY_GB_PER_S.items():
+    if device.device_kind.startswith(prefix):
+      return float(gb_per_s)
+  return None
 
 
 def _time_call(fn, args) -> tuple[float, float]:
@@ -64,7 +97,8 @@ def _timings(fn, args, repeats: int) -> tuple[list[float], list[float]]:
   return [wall for wall, _ in calls], [cpu for _, cpu in calls]
 
 
-def _figure(timings: tuple, floor_timings: tuple, nbytes: int) -> dict:
+def _figure(timings: tuple, floor_timings: tuple, nbytes: int, moved_bytes: int) -> dict:
+  """Ratios to the floor, GB/s of the float32 array, and GB/s of all traffic."""
   (wall, cpu), (floor_wall, floor_cpu) = timings, floor_timings
   median = statistics.median
   return {
@@ -73,12 +107,12 @@ def _figure(timings: tuple, floor_timings: tuple, nbytes: int) -> dict:
       "best_ratio": min(wall) / min(floor_wall),
       "cpu_ratio": median(cpu) / median(floor_cpu),
       "gb_per_s": nbytes / median(wall) / 1e9,
+      "traffic_gb_per_s": moved_bytes / median(wall) / 1e9,
   }
 
 
-def run(size: int, repeats: int) -> dict:
-  """Times every compressor and the two random-number references."""
-  device = jax.devices("cpu")[0]
+def run(device, size: int, repeats: int) -> dict:
+  """Times every compressor and the two random-number references on ``device``."""
   x = jax.device_put(jax.random.normal(jax.random.key(1), (size,), jnp.float32), device)
   key = jax.device_put(jax.random.key(0), device)
   nbytes = x.nbytes
@@ -107,15 +141,30 @@ def run(size: int, repeats: int) -> dict:
 
   results = {}
   for name, parts in timings.items():
-    results[name] = {part: _figure(t, floor_timings, nbytes) for part, t in parts.items()}
     if name in COMPRESSORS:
-      results[name]["wire_bits_per_element"] = COMPRESSORS[name].wire_bits(x.shape) / size
+      payload_bytes = COMPRESSORS[name].wire_bits(x.shape) // 8
+      moved = {"encode_decode": 2 * nbytes, "encode": nbytes + payload_bytes,
+               "decode": payload_bytes + nbytes}
+    else:
+      moved = {"draw": nbytes}
+    results[name] = {part: _figure(t, floor_timings, nbytes, moved[part])
+                     for part, t in parts.items()}
+    if name in COMPRESSORS:
+      results[name]["wire_bits_per_element"] = 8 * payload_bytes / size
   seconds = statistics.median(floor_timings[0])
   results["floor_x_times_2_plus_1"] = {"ms": 1e3 * seconds, "gb_per_s": 2 * nbytes / seconds / 1e9}
   return results
 
 
-def _print_table(results: dict) -> None:
+def add_bandwidth_fractions(results: dict, peak_gb_per_s: float) -> None:
+  """Adds each encode's and decode's traffic as a fraction of ``peak_gb_per_s``."""
+  for name in COMPRESSORS:
+    for part in ("encode", "decode"):
+      figure = results[name][part]
+      figure["fraction_of_peak"] = figure["traffic_gb_per_s"] / peak_gb_per_s
+
+
+def _print_table(results: dict, peak: dict) -> None:
   floor = results["floor_x_times_2_plus_1"]
   print(f"floor x * 2 + 1: {floor['ms']:.3f} ms, {floor['gb_per_s']:.1f} GB/s read+write")
   print("ratios to the floor: median wall-clock / best wall-clock / median CPU time")
@@ -130,6 +179,13 @@ def _print_table(results: dict) -> None:
     )
   for name in ("jax_random_uniform", "rounding_uniform_grid"):
     print(f"{name:<26}{_cell(results[name]['draw'])}")
+  print(f"\nmemory traffic (float32 array + payload), against {peak['gb_per_s']:.0f} GB/s"
+        f" ({peak['source']}):")
+  print(f"{'':<26}{'encode GB/s':>12}{'of peak':>9}{'decode GB/s':>13}{'of peak':>9}")
+  for name in COMPRESSORS:
+    encode, decode = results[name]["encode"], results[name]["decode"]
+    print(f"{name:<26}{encode['traffic_gb_per_s']:>12.1f}{encode['fraction_of_peak']:>9.0%}"
+          f"{decode['traffic_gb_per_s']:>13.1f}{decode['fraction_of_peak']:>9.0%}")
 
 
 def _cell(figure: dict) -> str:
@@ -141,23 +197,42 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", type=int, default=4_194_304, help="elements of the array")
   parser.add_argument("--repeats", type=int, default=20, help="timed calls a measurement")
+  parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
+                      help="where to run (default: JAX's default backend)")
+  parser.add_argument("--peak-gb-per-s", type=float, default=None,
+                      help="the device's memory bandwidth, for a device not in the table")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   args = parser.parse_args()
 
-  results = run(args.size, args.repeats)
-  _print_table(results)
+  device = jax.devices(args.platform)[0]
+  results = run(device, args.size, args.repeats)
+  if args.peak_gb_per_s is not None:
+    peak = {"gb_per_s": args.peak_gb_per_s, "source": "--peak-gb-per-s"}
+  elif device.platform == "cpu":
+    peak = {"gb_per_s": results["floor_x_times_2_plus_1"]["gb_per_s"],
+            "source": "x * 2 + 1 measured on this CPU"}
+  elif datasheet_bandwidth(device) is not None:
+    peak = {"gb_per_s": datasheet_bandwidth(device), "source": f"{device.device_kind} datasheet"}
+  else:
+    peak = {"gb_per_s": results["floor_x_times_2_plus_1"]["gb_per_s"],
+            "source": f"x * 2 + 1 measured ({device.device_kind} not in the table)"}
+  add_bandwidth_fractions(results, peak["gb_per_s"])
+  _print_table(results, peak)
   record = {
       "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
       "size": args.size,
       "repeats": args.repeats,
       "jax_version": jax.__version__,
-      "device": str(jax.devices("cpu")[0]),
+      "device": str(device),
+      "device_kind": device.device_kind,
+      "peak_memory_bandwidth": peak,
       "processor": platform.processor() or platform.machine(),
       "cpus_allowed": len(os.sched_getaffinity(0)),
       "results": results,
   }
   args.out.mkdir(parents=True, exist_ok=True)
-  path = args.out / f"compressor_throughput_{args.size}.json"
+  suffix = "" if device.platform == "cpu" else f"_{device.platform}"
+  path = args.out / f"compressor_throughput_{args.size}{suffix}.json"
   path.write_text(json.dumps(record, indent=2) + "\n")
   print(f"wrote {path}")
 
