@@ -2,7 +2,9 @@
 
 Each script also runs alone; this runs them in turn (each in its own process,
 so each sets up JAX its own way), keeps what each printed, and writes a
-markdown summary with the command that reproduces every section.
+markdown summary with the command that reproduces every section. The kernel
+throughputs are measured on one core (``taskset -c 0`` and single-threaded
+XLA, where ``taskset`` exists), so they do not depend on the machine's size.
 
   python benchmarks/run_all.py            # the full sizes, for the record
   python benchmarks/run_all.py --quick    # small sizes, a quick look
@@ -11,26 +13,31 @@ markdown summary with the command that reproduces every section.
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
 
 _HERE = pathlib.Path(__file__).resolve().parent
 
-# (title, script, arguments at full size, arguments for --quick)
+# (title, script, on one core, arguments at full size, arguments for --quick);
+# "{out}" stands for the output folder.
 SUITE = (
-    ("Compressor throughput (one CPU device)", "compressor_throughput.py",
+    ("Compressor throughput (one CPU core)", "compressor_throughput.py", True,
      ["--size", "4194304"], ["--size", "1048576", "--repeats", "5"]),
-    ("Elias codec: throughput and bits a coordinate", "elias_codec.py",
+    ("Elias codec: throughput and bits a coordinate (one CPU core)", "elias_codec.py", True,
      ["--size", "1000000"], ["--size", "100000"]),
-    ("Statistical quality: bits against variance", "variance.py",
+    ("Statistical quality: bits against variance", "variance.py", False,
      ["--size", "1048576", "--keys", "32"], ["--size", "65536", "--keys", "8"]),
-    ("Wire bytes from the HLO and step times (8 simulated CPU devices)", "collectives.py",
+    ("Wire bytes from the HLO and step times (8 simulated CPU devices)", "collectives.py", False,
      [], ["--small"]),
-    ("Error feedback for 1-bit SGD on digits", "error_feedback.py", [],
+    ("Error feedback for 1-bit SGD on digits", "error_feedback.py", False, [],
      ["--seeds", "2", "--steps", "100"]),
-    ("Alpha-beta cost model", "cost_model.py", [], []),
+    ("Alpha-beta cost model", "cost_model.py", False,
+     ["--throughput-json", "{out}/compressor_throughput_4194304.json"],
+     ["--throughput-json", "{out}/compressor_throughput_1048576.json"]),
 )
+ONE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def main() -> None:
@@ -49,14 +56,22 @@ def main() -> None:
   sections = ["# Benchmark results", "",
               f"Made by `python benchmarks/run_all.py{' --quick' if args.quick else ''}`.", ""]
   failed = []
-  for title, script, full, quick in SUITE:
-    command = [sys.executable, str(_HERE / script), *(quick if args.quick else full),
-               "--out", str(args.out)]
-    shown = " ".join(["python", f"benchmarks/{script}", *(quick if args.quick else full),
-                      "--out", os.path.relpath(args.out, _HERE.parent)])
+  shown_out = os.path.relpath(args.out, _HERE.parent)
+  pin = bool(shutil.which("taskset"))
+  for title, script, one_core, full, quick in SUITE:
+    arguments = quick if args.quick else full
+    command = [sys.executable, str(_HERE / script),
+               *(a.format(out=args.out) for a in arguments), "--out", str(args.out)]
+    shown = " ".join(["python", f"benchmarks/{script}",
+                      *(a.format(out=shown_out) for a in arguments), "--out", shown_out])
+    script_environment = environment
+    if one_core and pin:
+      command = ["taskset", "-c", "0", *command]
+      shown = f'XLA_FLAGS="{ONE_CORE_XLA_FLAGS}" taskset -c 0 {shown}'
+      script_environment = dict(environment, XLA_FLAGS=ONE_CORE_XLA_FLAGS)
     print(f"== {title}: {shown}", flush=True)
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env=environment,
+    result = subprocess.run(command, capture_output=True, text=True, env=script_environment,
                             check=False)
     seconds = time.perf_counter() - start
     print(result.stdout, flush=True)
