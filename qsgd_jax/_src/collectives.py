@@ -392,7 +392,7 @@ def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, wan
               for g, r in enumerate(rows)]
   send = jnp.concatenate([jax.vmap(serialize.to_words)(p) for p in payloads], axis=1)
   received = jax.lax.all_to_all(_as_varying(send, axis_name), axis_name, 0, 0, tiled=False)
-  owned = [jnp.sum(decoded, axis=0) for decoded in unpack(received)]
+  owned = [_sum_rows(decoded) for decoded in unpack(received)]
   owned = [o / divisor for o in owned] if divisor != 1 else owned
   if owned_error is not None:
     owned = [o + e for o, e in zip(owned, grouping.join(owned_error, groups, lengths),
@@ -417,6 +417,22 @@ def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, wan
     sent_error = [e.reshape(-1) for e in grouping.split(
         [r - decode_rows(p) for r, p in zip(rows, payloads, strict=True)], groups, lengths)]
   return [r.reshape(-1) for r in results], sent_error, new_owned
+
+
+def _sum_rows(rows: jax.Array) -> jax.Array:
+  """``rows.sum(axis=0)`` by pairwise halving: elementwise adds that XLA fuses into one pass.
+
+  XLA:CPU (JAX 0.10) hands a reduction over the leading axis of a large array
+  to a library kernel that ran several times slower than the adds next to the
+  other devices' threads: the 1-bit two-phase mean of a quarter-width
+  ResNet-50 on 8 simulated devices took 105 ms with ``jnp.sum``, 20 ms
+  with this.
+  """
+  while rows.shape[0] > 1:
+    half = rows.shape[0] // 2
+    summed = rows[:half] + rows[half : 2 * half]
+    rows = jnp.concatenate([summed, rows[2 * half :]]) if rows.shape[0] % 2 else summed
+  return rows[0]
 
 
 def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sent_error):
