@@ -1,0 +1,64 @@
+"""Checks of the benchmark suite's model code: the gradient trees and the cost model."""
+
+import importlib.util
+import math
+import pathlib
+
+import pytest
+
+_BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", _BENCHMARKS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+collectives = _load("collectives")
+cost_model = _load("cost_model")
+
+
+def _parameters(shapes):
+  return sum(math.prod(shape) for shape in shapes.values())
+
+
+def test_gradient_trees_have_the_published_sizes():
+  assert (len(collectives.resnet50_shapes()), _parameters(collectives.resnet50_shapes())) == (
+      161, 25_557_032)
+  assert (len(collectives.gpt2_small_shapes()), _parameters(collectives.gpt2_small_shapes())) == (
+      148, 124_439_808)
+
+
+def test_cost_model_sizes_are_the_benchmarked_trees():
+  assert cost_model.MODELS == {
+      "ResNet-50": _parameters(collectives.resnet50_shapes()),
+      "GPT-2 small": _parameters(collectives.gpt2_small_shapes()),
+  }
+
+
+@pytest.mark.parametrize("efficiency", [0.6, 0.1])
+def test_compression_wins_exactly_below_the_crossover_bandwidth(efficiency):
+  methods = cost_model.assumed_gpu_methods(efficiency)
+  fp32, devices, coordinates = methods[0], 8, 25_557_032
+  for method in methods[1:]:
+    crossover = cost_model.crossover_bandwidth(method, devices)
+    for factor, wins in ((0.5, True), (2.0, False)):
+      link = cost_model.Link("test", factor * crossover, 5e-6)
+      ratio = (cost_model.allreduce_seconds(fp32, link, devices, coordinates)
+               / cost_model.allreduce_seconds(method, link, devices, coordinates))
+      assert (ratio > 1) == wins, (method.name, factor, ratio)
+    at_crossover = cost_model.Link("test", crossover, 5e-6)
+    assert cost_model.allreduce_seconds(method, at_crossover, devices, coordinates) == (
+        pytest.approx(cost_model.allreduce_seconds(fp32, at_crossover, devices, coordinates)))
+
+
+def test_slow_kernels_lose_on_nvlink():
+  """The case the README states plainly: 10% of H100 bandwidth, NVLink4, ResNet-50."""
+  nvlink = next(link for link in cost_model.LINKS if link.name.startswith("NVLink4"))
+  fp32, *compressed = cost_model.assumed_gpu_methods(0.1)
+  qsgd4 = next(m for m in compressed if m.name == "qsgd 4-bit")
+  coordinates = cost_model.MODELS["ResNet-50"]
+  assert (cost_model.allreduce_seconds(qsgd4, nvlink, 8, coordinates)
+          > cost_model.allreduce_seconds(fp32, nvlink, 8, coordinates))
