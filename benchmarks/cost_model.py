@@ -185,7 +185,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--throughput-json", type=pathlib.Path,
                       default=pathlib.Path("benchmarks/results/compressor_throughput_4194304.json"),
-                      help="output of compressor_throughput.py (measured CPU kernel rates)")
+                      help="output of compressor_throughput.py (measured kernel rates)")
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
   args = parser.parse_args()
@@ -196,9 +196,11 @@ def main() -> None:
   }
   if args.throughput_json.exists():
     measured = json.loads(args.throughput_json.read_text())
-    method_lists["CPU kernels measured here"] = measured_methods(measured)
+    kind = measured.get("device_kind", "cpu")
+    title = "CPU kernels measured here" if kind == "cpu" else f"{kind} kernels measured"
+    method_lists[title] = measured_methods(measured)
   else:
-    print(f"({args.throughput_json} not found: run compressor_throughput.py for CPU rates)")
+    print(f"({args.throughput_json} not found: run compressor_throughput.py for measured rates)")
 
   args.out.mkdir(parents=True, exist_ok=True)
   report, record = [], {}

@@ -6,8 +6,15 @@ markdown summary with the command that reproduces every section. The kernel
 throughputs are measured on one core (``taskset -c 0`` and single-threaded
 XLA, where ``taskset`` exists), so they do not depend on the machine's size.
 
-  python benchmarks/run_all.py            # the full sizes, for the record
-  python benchmarks/run_all.py --quick    # small sizes, a quick look
+With ``--platform gpu`` (or ``tpu``) the compressor throughput runs on the
+accelerator instead, on a 1 GiB array (larger than any cache), and reports
+encode and decode traffic as a fraction of the device's memory bandwidth; the
+cost model then predicts with those measured rates. The collectives and the
+error-feedback study need 8 devices and stay on simulated CPU devices.
+
+  python benchmarks/run_all.py                   # the full sizes, for the record
+  python benchmarks/run_all.py --quick           # small sizes, a quick look
+  python benchmarks/run_all.py --platform gpu    # kernels on the accelerator
 """
 
 import argparse
@@ -21,10 +28,12 @@ import time
 _HERE = pathlib.Path(__file__).resolve().parent
 
 # (title, script, on one core, arguments at full size, arguments for --quick);
-# "{out}" stands for the output folder.
+# "{out}" is the output folder, "{platform}" the --platform, "{size}" the
+# throughput's array size at full size and "{suffix}" its JSON's name suffix.
 SUITE = (
-    ("Compressor throughput (one CPU core)", "compressor_throughput.py", True,
-     ["--size", "4194304"], ["--size", "1048576", "--repeats", "5"]),
+    ("Compressor throughput (one host core)", "compressor_throughput.py", True,
+     ["--size", "{size}", "--platform", "{platform}"],
+     ["--size", "1048576", "--repeats", "5", "--platform", "{platform}"]),
     ("Elias codec: throughput and bits a coordinate (one CPU core)", "elias_codec.py", True,
      ["--size", "1000000"], ["--size", "100000"]),
     ("Statistical quality: bits against variance", "variance.py", False,
@@ -34,8 +43,8 @@ SUITE = (
     ("Error feedback for 1-bit SGD on digits", "error_feedback.py", False, [],
      ["--seeds", "2", "--steps", "100"]),
     ("Alpha-beta cost model", "cost_model.py", False,
-     ["--throughput-json", "{out}/compressor_throughput_4194304.json"],
-     ["--throughput-json", "{out}/compressor_throughput_1048576.json"]),
+     ["--throughput-json", "{out}/compressor_throughput_{size}{suffix}.json"],
+     ["--throughput-json", "{out}/compressor_throughput_1048576{suffix}.json"]),
 )
 ONE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -43,27 +52,37 @@ ONE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_th
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes")
+  parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default="cpu",
+                      help="where the compressor throughput runs (default: cpu)")
   parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="default: benchmarks/results, or benchmarks/results/quick with --quick")
+                      help="default: benchmarks/results[/PLATFORM][/quick]")
   args = parser.parse_args()
   if args.out is None:
-    args.out = _HERE / "results" / "quick" if args.quick else _HERE / "results"
+    args.out = _HERE / "results"
+    if args.platform != "cpu":
+      args.out /= args.platform
+    if args.quick:
+      args.out /= "quick"
   args.out.mkdir(parents=True, exist_ok=True)
   environment = dict(os.environ)
   environment["PYTHONPATH"] = os.pathsep.join(
       filter(None, [str(_HERE.parent), environment.get("PYTHONPATH")]))
 
-  sections = ["# Benchmark results", "",
-              f"Made by `python benchmarks/run_all.py{' --quick' if args.quick else ''}`.", ""]
+  on_cpu = args.platform == "cpu"
+  fields = {"platform": args.platform, "size": 4_194_304 if on_cpu else 268_435_456,
+            "suffix": "" if on_cpu else f"_{args.platform}"}
+  options = (" --quick" if args.quick else "") + ("" if on_cpu else f" --platform {args.platform}")
+  sections = ["# Benchmark results", "", f"Made by `python benchmarks/run_all.py{options}`.", ""]
   failed = []
   shown_out = os.path.relpath(args.out, _HERE.parent)
   pin = bool(shutil.which("taskset"))
   for title, script, one_core, full, quick in SUITE:
     arguments = quick if args.quick else full
     command = [sys.executable, str(_HERE / script),
-               *(a.format(out=args.out) for a in arguments), "--out", str(args.out)]
+               *(a.format(out=args.out, **fields) for a in arguments), "--out", str(args.out)]
     shown = " ".join(["python", f"benchmarks/{script}",
-                      *(a.format(out=shown_out) for a in arguments), "--out", shown_out])
+                      *(a.format(out=shown_out, **fields) for a in arguments),
+                      "--out", shown_out])
     script_environment = environment
     if one_core and pin:
       command = ["taskset", "-c", "0", *command]

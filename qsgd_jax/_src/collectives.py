@@ -27,10 +27,11 @@ so it saves at most 4x. Only compressors with a shared-scale form (:class:`QSGD`
 Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
 
-With a fixed ``bucket_size``, each leaf is padded to whole buckets and the
-large leaves are quantized side by side as one vector, one encode and one
-decode for the whole tree (see ``grouping.py``); other compressors quantize
-each leaf alone.
+The large leaves are encoded in a few batched encodes, not one a leaf (see
+``grouping.py``): with a fixed ``bucket_size``, padded to whole buckets and
+side by side as one vector; otherwise leaves of one shape stacked under one
+``vmap``. The compiled program stays small, and each leaf's payload is what
+the compressor defines.
 
 A leaf whose size is not a multiple of ``n * bucket_size`` is padded with zeros
 to whole buckets. The padding is dropped after decoding; QSGD's scales ignore
@@ -373,49 +374,54 @@ def _two_phase(vectors, axis_name, compressor, key, *, divisor, owned_error, wan
   index = jax.lax.axis_index(axis_name)
   send_key, gather_key = jax.random.split(key)
   lengths = [_piece_len(compressor, v.size, n) for v in vectors]
-  groups = grouping.groups(compressor, len(vectors))
-  # rows[g][j]: piece j of every leaf of group g, side by side.
-  rows = grouping.join([jnp.pad(v, (0, n * length - v.size)).reshape(n, length)
-                        for v, length in zip(vectors, lengths, strict=True)], groups, lengths)
+  pieces = [jnp.pad(v, (0, n * length - v.size)).reshape(n, length)
+            for v, length in zip(vectors, lengths, strict=True)]
+  layout = grouping.layout(compressor, pieces)
+  blocks = layout.join(pieces)  # [batch, n, length]: piece j of each leaf goes to device j.
   templates = [jax.eval_shape(compressor.encode, key,
-                              jax.ShapeDtypeStruct((r.shape[1],), jnp.float32)) for r in rows]
-  widths = [serialize.num_words(t) for t in templates]
-  decode_rows = jax.vmap(compressor.decode)
+                              jax.ShapeDtypeStruct(b.shape[2:], jnp.float32)) for b in blocks]
+  widths = [b.shape[0] * serialize.num_words(t) for b, t in zip(blocks, templates, strict=True)]
+
+  def to_rows(payload):
+    """``[n, batch * words]``: device j's row holds piece j of every leaf of the block."""
+    words = jax.vmap(jax.vmap(serialize.to_words))(payload)
+    return jnp.swapaxes(words, 0, 1).reshape(n, -1)
 
   def unpack(words):
-    return [decode_rows(jax.vmap(lambda w, t=t: serialize.from_words(w, t))(w))
-            for w, t in zip(_split(words, widths, axis=1), templates, strict=True)]
+    """``[n, batch, length]`` a block, from ``n`` rows of every block's words."""
+    out = []
+    for part, t, b in zip(_split(words, widths, axis=1), templates, blocks, strict=True):
+      part = part.reshape(n, b.shape[0], -1)
+      payload = jax.vmap(jax.vmap(lambda w, t=t: serialize.from_words(w, t)))(part)
+      out.append(jax.vmap(jax.vmap(compressor.decode))(payload))
+    return out
 
   # Phase 1: piece j of every leaf goes to device j.
-  encode_rows = jax.vmap(compressor.encode)
-  payloads = [encode_rows(jax.random.split(jax.random.fold_in(send_key, g), n), r)
-              for g, r in enumerate(rows)]
-  send = jnp.concatenate([jax.vmap(serialize.to_words)(p) for p in payloads], axis=1)
+  payloads = grouping.encode_blocks(compressor, send_key, blocks, batch_dims=2)
+  send = jnp.concatenate([to_rows(p) for p in payloads], axis=1)
   received = jax.lax.all_to_all(_as_varying(send, axis_name), axis_name, 0, 0, tiled=False)
-  owned = [_sum_rows(decoded) for decoded in unpack(received)]
+  owned = [_sum_rows(decoded) for decoded in unpack(received)]  # [batch, length]
   owned = [o / divisor for o in owned] if divisor != 1 else owned
   if owned_error is not None:
-    owned = [o + e for o, e in zip(owned, grouping.join(owned_error, groups, lengths),
-                                   strict=True)]
+    owned = [o + e for o, e in zip(owned, layout.join(owned_error), strict=True)]
 
-  # Phase 2: each owner re-quantizes its sum; everyone decodes every sum.
+  # Phase 2: each owner re-quantizes its sums; everyone decodes every sum.
   mine = jnp.concatenate([
-      serialize.to_words(compressor.encode(jax.random.fold_in(gather_key, g), o))
-      for g, o in enumerate(owned)
+      jax.vmap(serialize.to_words)(p).reshape(-1)
+      for p in grouping.encode_blocks(compressor, gather_key, owned)
   ])
-  gathered = jax.lax.all_gather(mine, axis_name, tiled=False, to="invarying")
-  gathered_rows = unpack(gathered)
-  results = grouping.split(gathered_rows, groups, lengths)
+  gathered = unpack(jax.lax.all_gather(mine, axis_name, tiled=False, to="invarying"))
+  results = layout.split([jnp.swapaxes(g, 0, 1) for g in gathered])
 
   new_owned = None
   if owned_error is not None:
-    residuals = [o - jax.lax.dynamic_index_in_dim(r, index, keepdims=False)
-                 for o, r in zip(owned, gathered_rows, strict=True)]
-    new_owned = grouping.split(residuals, groups, lengths)
+    new_owned = layout.split([o - jax.lax.dynamic_index_in_dim(g, index, keepdims=False)
+                              for o, g in zip(owned, gathered, strict=True)])
   sent_error = None
   if want_sent_error:
-    sent_error = [e.reshape(-1) for e in grouping.split(
-        [r - decode_rows(p) for r, p in zip(rows, payloads, strict=True)], groups, lengths)]
+    decoded = grouping.decode_blocks(compressor, payloads, batch_dims=2)
+    sent_error = [e.reshape(-1) for e in layout.split(
+        [b - d for b, d in zip(blocks, decoded, strict=True)])]
   return [r.reshape(-1) for r in results], sent_error, new_owned
 
 
@@ -442,27 +448,30 @@ def _shared_scale_psum(vectors, axis_name, compressor, key, *, divisor, want_sen
         f"got {compressor!r}."
     )
   n = jax.lax.axis_size(axis_name)
-  groups = grouping.groups(compressor, len(vectors))
-  lengths = [grouping.aligned_len(compressor, v.size) for v in vectors]
-  blocks = grouping.join(vectors, groups, lengths)
+  layout = grouping.layout(compressor, vectors)
+  blocks = layout.join(vectors)  # [batch, length]
   signs = jnp.array([1.0 if how == "max" else -1.0 for how in compressor.scale_reductions])
   low, high = compressor.code_range
   sum_dtype = _narrowest_int(n * low, n * high)
   summed, sent = [], []
-  for g, v in enumerate(blocks):
+  for g, block in enumerate(blocks):
     # One pmax for every scale column, a "min" column negated (exactly). XLA:CPU's
     # max all-reduce skips NaN, so a NaN scale goes as +inf and stays non-finite.
-    oriented = compressor.local_scales(v) * signs
+    oriented = jax.vmap(compressor.local_scales)(block) * signs
     shared = jax.lax.pmax(jnp.where(jnp.isnan(oriented), jnp.inf, oriented), axis_name) * signs
-    codes = compressor.integer_codes(jax.random.fold_in(key, g), v, shared)
+    keys = jax.random.split(jax.random.fold_in(key, g), block.shape[0])
+    codes = jax.vmap(compressor.integer_codes)(keys, block, shared)
     total = jax.lax.psum(codes.astype(sum_dtype), axis_name)
-    summed.append(compressor.decode_code_sum(total, shared, n, v.shape) / divisor)
+
+    def decode_sum(total, scales, count, shape=block.shape[1:]):
+      return compressor.decode_code_sum(total, scales, count, shape)
+
+    summed.append(jax.vmap(decode_sum, in_axes=(0, 0, None))(total, shared, n) / divisor)
     if want_sent_error:
-      sent.append(v - compressor.decode_code_sum(codes, shared, 1, v.shape))
+      sent.append(block - jax.vmap(decode_sum, in_axes=(0, 0, None))(codes, shared, 1))
 
   def unpadded(blocks):
-    return [b[: v.size] for b, v in zip(grouping.split(blocks, groups, lengths), vectors,
-                                        strict=True)]
+    return [b[: v.size] for b, v in zip(layout.split(blocks), vectors, strict=True)]
 
   return unpadded(summed), (unpadded(sent) if want_sent_error else None)
 
@@ -514,22 +523,22 @@ def wire_bits(
     bits += (n_inner - 1) * 32 * chunk * 2  # Reduce-scatter, then all-gather.
     large = [-(-s // n_inner) for s in large]
   if method == "two_phase":
-    lengths = [_piece_len(compressor, s, n_outer) for s in large]
+    pieces = [jax.ShapeDtypeStruct((n_outer, _piece_len(compressor, s, n_outer)), jnp.float32)
+              for s in large]
+    layout = grouping.layout(compressor, pieces)
     words = sum(
-        serialize.num_words(jax.eval_shape(
-            compressor.encode, jax.random.key(0),
-            jax.ShapeDtypeStruct((sum(lengths[k] for k in group),), jnp.float32)))
-        for group in grouping.groups(compressor, len(large))
+        batch * serialize.num_words(jax.eval_shape(
+            compressor.encode, jax.random.key(0), jax.ShapeDtypeStruct((length,), jnp.float32)))
+        for batch, length in layout.block_sizes()
     )
     return bits + 2 * (n_outer - 1) * 32 * words  # All-to-all, then all-gather.
   all_reduce = 2 * (n_outer - 1) / n_outer
   low, high = compressor.code_range
   code_bits = 8 * jnp.dtype(_narrowest_int(n_outer * low, n_outer * high)).itemsize
-  lengths = [grouping.aligned_len(compressor, s) for s in large]
-  for group in grouping.groups(compressor, len(large)):
-    size = sum(lengths[k] for k in group)
+  layout = grouping.layout(compressor, [jax.ShapeDtypeStruct((s,), jnp.float32) for s in large])
+  for batch, size in layout.block_sizes():
     scales = jax.eval_shape(compressor.local_scales, jax.ShapeDtypeStruct((size,), jnp.float32))
-    bits += all_reduce * (32 * math.prod(scales.shape) + code_bits * size)
+    bits += batch * all_reduce * (32 * math.prod(scales.shape) + code_bits * size)
   return bits
 
 

@@ -62,19 +62,19 @@ def low_precision_decentralized(
   to one, :math:`z_i` is computed as :math:`u_i + \sum_{j \ne i} W_{ij}
   (\hat x_j - x_i)`, which is the same quantity with less cancellation.
 
-  Each worker encodes :math:`z_i` once a leaf (or, with a fixed
-  ``bucket_size``, all leaves side by side in one encode), packs the payloads
-  into one ``uint32`` buffer, sends it to both neighbours with one
-  ``jax.lax.ppermute`` each, and returns :math:`Q(z_i)` decoded
-  from the same payload as its update, so ``optax.apply_updates`` gives
+  Each worker encodes :math:`z_i` once a leaf (batched: leaves of one shape
+  under one ``vmap``, or with a fixed ``bucket_size`` all leaves side by side in
+  one encode), packs the payloads into one ``uint32`` buffer, sends it to both
+  neighbours with one ``jax.lax.ppermute`` each, and returns :math:`Q(z_i)`
+  decoded from the same payload as its update, so ``optax.apply_updates`` gives
   :math:`x_{i,t+1}`; the receivers add the same decoded values to their
-  replicas, so every replica equals its peer's model bit for bit at all
-  times, provided the updates are applied unchanged (make this transform the
-  last of a chain). Models differ across workers: read :func:`averaged_params`
-  for the model to evaluate and :func:`consensus_distance` for how far apart
-  they are. With a constant step size and different data on each worker they
-  stay :math:`O(\gamma)` apart, as in decentralized SGD without compression;
-  a step size decaying to zero brings every worker to the optimum.
+  replicas, so every replica equals its peer's model bit for bit at all times,
+  provided the updates are applied unchanged (make this transform the last of a
+  chain). Models differ across workers: read :func:`averaged_params` for the
+  model to evaluate and :func:`consensus_distance` for how far apart they are.
+  With a constant step size and different data on each worker they stay
+  :math:`O(\gamma)` apart, as in decentralized SGD without compression; a step
+  size decaying to zero brings every worker to the optimum.
 
   Tang et al. (DCD-PSGD) prove the :math:`O(1/\sqrt{nT})` rate of centralized
   SGD for an unbiased :math:`Q` (:math:`E[Q(z)] = z`) whose error is small
@@ -201,38 +201,32 @@ def low_precision_decentralized(
         differences.append(local_step + (right - x) / 2)
       else:
         differences.append(local_step + ((left - x) + (right - x)) / 3)
-    index_groups = grouping.groups(compressor, len(leaves))
-    lengths = [grouping.aligned_len(compressor, x.size) for x in leaves]
-    if len(index_groups) == len(leaves):  # Each leaf alone, in its own shape and dtype.
-      blocks = differences
-    else:
-      blocks = grouping.join([z.astype(jnp.float32).reshape(-1) for z in differences],
-                             index_groups, lengths)
-    block_keys = jax.random.split(worker_key, len(blocks))
-    payloads = [compressor.encode(k, b) for k, b in zip(block_keys, blocks, strict=True)]
+    if grouping.fixed_bucket_size(compressor) is not None:  # Side by side, as vectors.
+      differences = [z.astype(jnp.float32).reshape(-1) for z in differences]
+    layout = grouping.layout(compressor, differences)
+    payloads = grouping.encode_blocks(compressor, worker_key, layout.join(differences))
     # All leaves travel as one uint32 buffer: one ppermute a direction.
-    words = jnp.concatenate([serialize.to_words(p) for p in payloads])
+    words = jnp.concatenate([jax.vmap(serialize.to_words)(p).reshape(-1) for p in payloads])
     from_left = jax.lax.ppermute(words, axis_name, to_right)
     from_right = from_left if size == 2 else jax.lax.ppermute(words, axis_name, to_left)
 
     def as_leaves(decoded_blocks):
-      if len(index_groups) == len(leaves):
-        return decoded_blocks
-      return [b[: x.size].reshape(x.shape) for b, x in zip(
-          grouping.split(decoded_blocks, index_groups, lengths), leaves, strict=True)]
+      return [d.reshape(-1)[: x.size].reshape(x.shape)
+              for d, x in zip(layout.split(decoded_blocks), leaves, strict=True)]
 
     def decoded(buffer):
-      out, start = [], 0
+      received, start = [], 0
       for payload in payloads:
-        width = serialize.num_words(payload)
-        received = serialize.from_words(buffer[start : start + width], payload)
-        out.append(compressor.decode(received))
-        start += width
-      return as_leaves(out)
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
+        batch, width = jax.tree.leaves(payload)[0].shape[0], serialize.num_words(template)
+        words = buffer[start : start + batch * width].reshape(batch, width)
+        received.append(jax.vmap(lambda w, t=template: serialize.from_words(w, t))(words))
+        start += batch * width
+      return as_leaves(grouping.decode_blocks(compressor, received))
 
     new_updates, new_lefts, new_rights = [], [], []
     for x, own, left_step, right_step, left, right in zip(
-        leaves, as_leaves([compressor.decode(p) for p in payloads]), decoded(from_left),
+        leaves, as_leaves(grouping.decode_blocks(compressor, payloads)), decoded(from_left),
         decoded(from_right), lefts, rights, strict=True
     ):
       new_updates.append(own.astype(x.dtype))

@@ -430,8 +430,7 @@ def _elias_wire_bits(updates, compressor, key, wire_bits, min_compressed_size):
   """``wire_bits`` scaled by Elias size / packed size of this device's payloads.
 
   The device's large gradient leaves are encoded once more with the step's
-  key (side by side where the buckets have a fixed size, as the reduction
-  encodes them), and their levels Elias-coded (the smaller variant per
+  key (batched as the reduction batches them), and their levels Elias-coded (the smaller variant per
   bucket): the fraction of the fixed-width payload that Elias coding would
   take.
   """
@@ -439,11 +438,10 @@ def _elias_wire_bits(updates, compressor, key, wire_bits, min_compressed_size):
              if leaf.size >= min_compressed_size]
   if not vectors:
     return jnp.asarray(wire_bits, jnp.float32)
-  groups = grouping.groups(compressor, len(vectors))
-  lengths = [grouping.aligned_len(compressor, v.size) for v in vectors]
-  packed_bits, elias_total = 0, jnp.zeros((), jnp.float32)
-  for g, block in enumerate(grouping.join(vectors, groups, lengths)):
-    payload = compressor.encode(jax.random.fold_in(key, g), block)
-    packed_bits += compressor.wire_bits(block.shape)
-    elias_total += compressor.elias_bits(payload).smaller.astype(jnp.float32)
+  layout = grouping.layout(compressor, vectors)
+  payloads = grouping.encode_blocks(compressor, key, layout.join(vectors))
+  packed_bits = sum(batch * compressor.wire_bits((length,))
+                    for batch, length in layout.block_sizes())
+  elias_total = sum(jnp.sum(jax.vmap(compressor.elias_bits)(p).smaller.astype(jnp.float32))
+                    for p in payloads)
   return wire_bits * elias_total / packed_bits
