@@ -23,11 +23,10 @@ from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.sharding import state_partition_specs
+from qsgd_jax._src.stats import CompressionStats, compression_stats
 from qsgd_jax._src.transforms import (
     CompressedAllReduceState,
-    CompressionStats,
     compressed_allreduce,
-    compression_stats,
     onebit_sgd,
     qsgd,
 )

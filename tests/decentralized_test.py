@@ -175,6 +175,22 @@ def test_replicas_equal_peers_bit_for_bit(num_workers, compressor):
   assert np.asarray(params["b"]).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("num_workers", [NUM_WORKERS, 2])
+def test_stats_count_the_bytes_the_hlo_sends(num_workers):
+  optimizer = low_precision_decentralized(optax.sgd(0.1), AXIS, key=3)
+  init, step = _pmapped_training(optimizer, num_workers)
+  params, inputs, labels = _two_leaf_problem(num_workers)
+  params, state = jax.block_until_ready(init(params))
+  assert np.all(np.isnan(np.asarray(qsgd_jax.compression_stats(state).wire_bits)))
+  hlo = step.lower(params, state, inputs, labels).compile().as_text()
+  _, state, _ = jax.block_until_ready(step(params, state, inputs, labels))
+  stats = jax.tree.map(lambda x: float(np.asarray(x)[0]), qsgd_jax.compression_stats(state))
+  assert stats.wire_bits == 8 * qsgd_jax.wire_bytes(hlo)  # The ring messages, nothing else.
+  num_params = 3 * 5 + 5
+  assert stats.float32_bits == pytest.approx(2 * (num_workers - 1) / num_workers * 32 * num_params)
+  assert stats.compression_ratio == pytest.approx(stats.float32_bits / stats.wire_bits)
+
+
 def test_second_step_does_not_recompile():
   optimizer = low_precision_decentralized(optax.sgd(0.1), AXIS)
   init, step = _pmapped_training(optimizer, NUM_WORKERS)

@@ -345,9 +345,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_step = mapped.train_step if multiprocess_pmap else compiled_step
   hlo_bytes = wire_bytes_from_hlo(compiled_step)
   compile_seconds = time.perf_counter() - start
-  # A float32 all-reduce of the gradients, each device's share: 2 (n - 1) / n * 4 bytes a param.
   num_devices = jax.device_count()
-  fp32_bytes = 2 * (num_devices - 1) / num_devices * 4 * num_params
   # XLA's CPU collectives give up after a while: one step at a time there.
   block_every_step = jax.default_backend() == "cpu"
 
@@ -370,9 +368,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       for offset, record in enumerate(records):
         record["step"] = done - len(records) + offset + 1
         record["steps_per_second"] = len(records) / elapsed
-        if "wire_bytes" not in record:  # Decentralized: what its ppermutes carry.
-          record["wire_bytes"] = hlo_bytes["collective-permute"]
-          record["fp32_wire_bytes"] = fp32_bytes
         record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
         _write(metrics_file, record)
       progress.set_postfix(loss=f"{records[-1]['loss']:.3f}",
@@ -402,7 +397,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "final_train_accuracy": float(np.mean([r["accuracy"] for r in last_window])),
       **eval_metrics,
       "wire_bytes_per_step": last["wire_bytes"],
-      "wire_bytes_source": "hlo" if config.compression == "decentralized8" else "compression_stats",
       "fp32_wire_bytes_per_step": last["fp32_wire_bytes"],
       "compression_ratio": last["compression_ratio"],
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, grouping, serialize
+from qsgd_jax._src import base, collectives, grouping, serialize, stats
 from qsgd_jax._src.minmax import MinMax
 
 _TOPOLOGIES = ("ring",)
@@ -24,12 +24,16 @@ class LowPrecisionDecentralizedState(NamedTuple):
       workers both replicas hold the single peer.
     key: typed PRNG key ``key<impl>[]``, split every step; the same on every
       worker (each worker folds in its axis index).
+    stats: the last step's :class:`~qsgd_jax.CompressionStats`: the bits a
+      worker sent its neighbours, against a float32 all-reduce of the
+      parameters (NaN before the first step).
   """
 
   inner_state: optax.OptState
   left_replica: optax.Params
   right_replica: optax.Params
   key: jax.Array
+  stats: stats.CompressionStats
 
 
 def low_precision_decentralized(
@@ -166,6 +170,7 @@ def low_precision_decentralized(
         left_replica=jax.tree.map(jnp.copy, params),
         right_replica=jax.tree.map(jnp.copy, params),
         key=base.as_key(key),
+        stats=stats.make(jnp.nan, jnp.nan, jnp.nan),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -238,6 +243,9 @@ def low_precision_decentralized(
         left_replica=treedef.unflatten(new_lefts),
         right_replica=treedef.unflatten(new_rights),
         key=key,
+        # One buffer to each neighbour (one to the single peer of a pair).
+        stats=stats.make((1 if size == 2 else 2) * 32 * words.size,
+                         collectives.float32_allreduce_bits(params, axis_name), jnp.nan),
     )
     return treedef.unflatten(new_updates), new_state
 

@@ -6,7 +6,8 @@ from jax.sharding import PartitionSpec
 from qsgd_jax._src import collectives
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
-from qsgd_jax._src.transforms import CompressedAllReduceState, CompressionStats
+from qsgd_jax._src.stats import CompressionStats
+from qsgd_jax._src.transforms import CompressedAllReduceState
 
 _STATES = (AccumulationState, CompressedAllReduceState, LowPrecisionDecentralizedState)
 
@@ -19,8 +20,8 @@ def state_partition_specs(opt_state, axis_name: collectives.AxisName):
     the key, the count and the stats are replicated.
   * In a :class:`~qsgd_jax.LowPrecisionDecentralizedState` every worker has
     its own model, so the replicas and the inner optimizer's arrays lie along
-    ``axis_name`` (with the parameters' layout); the key and the scalars
-    (step counts) are replicated.
+    ``axis_name`` (with the parameters' layout); the key, the stats and the
+    scalars (step counts) are replicated.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -61,6 +62,7 @@ def state_partition_specs(opt_state, axis_name: collectives.AxisName):
           left_replica=jax.tree.map(per_worker, node.left_replica),
           right_replica=jax.tree.map(per_worker, node.right_replica),
           key=replicated,
+          stats=CompressionStats(*(replicated for _ in node.stats)),
       )
     return jax.tree.map(lambda _: replicated, node)
 

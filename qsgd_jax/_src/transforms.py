@@ -7,35 +7,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, collectives, grouping
+from qsgd_jax._src import base, collectives, grouping, stats
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD
 
 ErrorFeedback = bool | Literal["worker", "owner", "both"]
-
-
-class CompressionStats(NamedTuple):
-  """What one step of a compressed all-reduce put on the wire, per device.
-
-  Attributes:
-    wire_bits: ``float32[]``, bits this device sent (the accounting of
-      :func:`qsgd_jax.wire_bytes`, from the payloads' static shapes),
-      including the one-float32 all-reduce that tells every device whether
-      any device's updates were non-finite.
-    float32_bits: ``float32[]``, bits a float32 all-reduce of the same
-      gradients would send: ``2 (n - 1) / n * 32`` a coordinate.
-    compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
-    elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
-      every payload were Elias-coded (the smaller of the sparse and dense
-      variants per bucket), estimated from each device's first-phase
-      payloads and averaged over the axis (one scalar ``pmean``, counted
-      in ``wire_bits``); NaN for other compressors or when not tracked.
-  """
-
-  wire_bits: jax.Array
-  float32_bits: jax.Array
-  compression_ratio: jax.Array
-  elias_bits: jax.Array
 
 
 class CompressedAllReduceState(NamedTuple):
@@ -59,7 +35,7 @@ class CompressedAllReduceState(NamedTuple):
   count: jax.Array
   local_error: tuple[jax.Array, ...]
   chunk_error: tuple[jax.Array, ...]
-  stats: CompressionStats
+  stats: stats.CompressionStats
 
 
 def compressed_allreduce(
@@ -200,7 +176,7 @@ def compressed_allreduce(
         count=jnp.zeros((), jnp.int32),
         local_error=local_error,
         chunk_error=chunk_error,
-        stats=CompressionStats(nan, nan, nan, nan),
+        stats=stats.CompressionStats(nan, nan, nan, nan),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -248,26 +224,26 @@ def compressed_allreduce(
               state.chunk_error, strict=True)
       ) if owner_feedback else ()
       return (mean, _per_device(local_error, axis_name), _per_device(chunk_error, axis_name),
-              _stats(wire_bits, full_bits, elias_bits))
+              stats.make(wire_bits, full_bits, elias_bits))
 
     def full_precision(_):
       mean = jax.lax.pmean(updates, axis_name)
       nan = jnp.full((), jnp.nan, jnp.float32)
       return (mean, _per_device(state.local_error, axis_name),
-              _per_device(state.chunk_error, axis_name), _stats(full_bits, full_bits, nan))
+              _per_device(state.chunk_error, axis_name), stats.make(full_bits, full_bits, nan))
 
     if warmup_steps:
-      mean, local_error, chunk_error, stats = jax.lax.cond(
+      mean, local_error, chunk_error, step_stats = jax.lax.cond(
           state.count < warmup_steps, full_precision, compressed, None
       )
     else:
-      mean, local_error, chunk_error, stats = compressed(None)
+      mean, local_error, chunk_error, step_stats = compressed(None)
     new_state = CompressedAllReduceState(
         key=next_key,
         count=optax.safe_increment(state.count),
         local_error=local_error,
         chunk_error=chunk_error,
-        stats=stats,
+        stats=step_stats,
     )
     return mean, new_state
 
@@ -348,37 +324,6 @@ def onebit_sgd(
   return compressed_allreduce(
       OneBit(bucket_size=bucket_size), axis_name, key=key,
       error_feedback=error_feedback, **kwargs,
-  )
-
-
-def compression_stats(opt_state) -> CompressionStats | None:
-  """The :class:`CompressionStats` inside an optax state, wherever they sit.
-
-  Args:
-    opt_state: any optax state, e.g. of an ``optax.chain``,
-      ``optax.MultiSteps`` or ``optax.inject_hyperparams`` holding a
-      :func:`compressed_allreduce`.
-
-  Returns:
-    The stats of the first compressed all-reduce found (depth first), or
-    ``None`` if there is none.
-  """
-  found = [
-      node for node in jax.tree.leaves(
-          opt_state, is_leaf=lambda node: isinstance(node, CompressionStats))
-      if isinstance(node, CompressionStats)
-  ]
-  return found[0] if found else None
-
-
-def _stats(wire_bits, full_bits, elias_bits) -> CompressionStats:
-  wire = jnp.asarray(wire_bits, jnp.float32)
-  full = jnp.asarray(full_bits, jnp.float32)
-  return CompressionStats(
-      wire_bits=wire,
-      float32_bits=full,
-      compression_ratio=full / wire,
-      elias_bits=jnp.asarray(elias_bits, jnp.float32),
   )
 
 
