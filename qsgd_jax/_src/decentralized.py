@@ -221,9 +221,9 @@ def low_precision_decentralized(
 
     def decoded(buffer):
       received, start = [], 0
-      for payload in payloads:
+      for payload, (batch, _) in zip(payloads, layout.block_sizes(), strict=True):
         template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
-        batch, width = jax.tree.leaves(payload)[0].shape[0], serialize.num_words(template)
+        width = serialize.num_words(template)
         words = buffer[start : start + batch * width].reshape(batch, width)
         received.append(jax.vmap(lambda w, t=template: serialize.from_words(w, t))(words))
         start += batch * width
