@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import apply_step, assert_replicas_identical, host_arrays
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -65,24 +66,6 @@ def _allreduce_state(wrapper, state):
   return state.inner_state[0] if wrapper == "accumulate_gradients" else state.inner_opt_state[0]
 
 
-def _numpy(tree):
-  """``tree`` as numpy arrays, typed PRNG keys as their key data."""
-  return jax.tree.map(
-      lambda x: np.asarray(
-          jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
-      tree)
-
-
-def _assert_replicas_identical(tree):
-  for leaf in jax.tree.leaves(_numpy(tree)):
-    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
-
-
-def _apply(tx, params, state, grads):
-  updates, state = tx.update(grads, state, params)
-  return optax.apply_updates(params, updates), state
-
-
 @functools.cache
 def _pmap_run(wrapper):
   """``MINI_STEPS`` pmapped steps of ``_optimizer(wrapper)``.
@@ -108,7 +91,7 @@ def _pmap_run(wrapper):
   for batch in batches:
     # Each step waits for the last: eight simulated devices share few cores.
     params, state, updates = jax.block_until_ready(step(params, state, *batch))
-    all_updates.append(_numpy(jax.tree.map(lambda x: x[0], updates)))
+    all_updates.append(host_arrays(jax.tree.map(lambda x: x[0], updates)))
     counts.append(int(_allreduce_state(wrapper, state).count[0]))
   jax.effects_barrier()
   return params, state, all_updates, counts, len(runs), step.as_text()
@@ -119,7 +102,8 @@ def test_pmap_matches_multi_steps():
   multi_params, multi_state, multi_updates, _, _, _ = _pmap_run("multi_steps")
   # The same running mean, and the same key when the all-reduce runs: the same bits.
   chex.assert_trees_all_equal(updates, multi_updates)
-  chex.assert_trees_all_equal(_numpy(state.inner_state), _numpy(multi_state.inner_opt_state))
+  chex.assert_trees_all_equal(
+      host_arrays(state.inner_state), host_arrays(multi_state.inner_opt_state))
   for mini_step, mini_step_updates in enumerate(updates):
     applied = (mini_step + 1) % EVERY_K_STEPS == 0
     assert all(leaf.any() == applied for leaf in jax.tree.leaves(mini_step_updates))
@@ -128,9 +112,9 @@ def test_pmap_matches_multi_steps():
   # the update with the add to the params into one fused multiply-add, while
   # here the update comes out of the conditional already rounded.
   summed = functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), updates)
-  chex.assert_trees_all_equal(_numpy(jax.tree.map(lambda x: x[0], params)), summed)
-  chex.assert_trees_all_close(_numpy(params), _numpy(multi_params), rtol=0, atol=1e-10)
-  _assert_replicas_identical(params)
+  chex.assert_trees_all_equal(host_arrays(jax.tree.map(lambda x: x[0], params)), summed)
+  chex.assert_trees_all_close(host_arrays(params), host_arrays(multi_params), rtol=0, atol=1e-10)
+  assert_replicas_identical(params)
   assert (np.asarray(state.mini_step) == 0).all()
   for mean in state.accumulated:
     assert not np.asarray(mean).any()
@@ -209,7 +193,7 @@ def test_shard_map_matches_pmap():
   def step(params, state, x, y):
     # The gradient of replicated params is already summed over the axis by autodiff.
     local = jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying"), params)
-    params, state = _apply(tx, params, state, jax.grad(_loss)(local, x[0], y[0]))
+    params, state = apply_step(tx, params, state, jax.grad(_loss)(local, x[0], y[0]))
     copies = jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying")[None], params)
     return params, state, copies
 
@@ -220,17 +204,18 @@ def test_shard_map_matches_pmap():
   for mini_step in range(MINI_STEPS):
     batch = jax.device_put(_batch(mini_step), NamedSharding(mesh, P(AXIS)))
     params, state, copies = jax.block_until_ready(step(params, state, *batch))
-    _assert_replicas_identical(copies)
+    assert_replicas_identical(copies)
     if mini_step == EVERY_K_STEPS - 2:
       # Each device's own running mean, laid out along the axis.
       means = np.asarray(state.accumulated[0]).reshape(NUM_DEVICES, -1)
       assert not np.array_equal(means[0], means[1])
 
   pmap_params, pmap_state, *_ = _pmap_run("accumulate_gradients")
-  chex.assert_trees_all_equal(_numpy(params), _numpy(jax.tree.map(lambda x: x[0], pmap_params)))
   chex.assert_trees_all_equal(
-      _numpy(state.inner_state[0].local_error),
-      _numpy(tuple(e.reshape(-1) for e in pmap_state.inner_state[0].local_error)))
+      host_arrays(params), host_arrays(jax.tree.map(lambda x: x[0], pmap_params)))
+  chex.assert_trees_all_equal(
+      host_arrays(state.inner_state[0].local_error),
+      host_arrays(tuple(e.reshape(-1) for e in pmap_state.inner_state[0].local_error)))
 
 
 def test_compression_stats_are_found_inside():

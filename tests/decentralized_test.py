@@ -1,6 +1,5 @@
 """Tests of low-precision decentralized SGD on a ring (DCD-PSGD)."""
 
-import contextlib
 import functools
 import math
 
@@ -10,16 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import backend_compiles
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
 import qsgd_jax
 from qsgd_jax import (
-    LowPrecisionDecentralizedState,
-    averaged_params,
-    consensus_distance,
-    low_precision_decentralized,
+  LowPrecisionDecentralizedState,
+  averaged_params,
+  consensus_distance,
+  low_precision_decentralized,
 )
 
 AXIS = "workers"
@@ -137,23 +137,6 @@ def _pmapped_training(optimizer, num_workers):
   return init, step
 
 
-@contextlib.contextmanager
-def _count_compiles():
-  """Counts XLA compilations inside the block; yields a list of their durations."""
-  durations = []
-
-  def listener(event, duration, **kwargs):
-    del kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
-      durations.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield durations
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize(
     "compressor",
     # MinMax: one bucket a leaf, each leaf encoded alone. QSGD in buckets of 4:
@@ -197,7 +180,7 @@ def test_second_step_does_not_recompile():
   params, inputs, labels = _two_leaf_problem(NUM_WORKERS)
   params, state = init(params)
   params, state, _ = jax.block_until_ready(step(params, state, inputs, labels))
-  with _count_compiles() as compiles:
+  with backend_compiles() as compiles:
     params, state, _ = jax.block_until_ready(step(params, state, inputs, labels))
   assert not compiles
   assert isinstance(state, LowPrecisionDecentralizedState)

@@ -5,7 +5,6 @@ compiled programs: ``_pmap_functions`` and ``_shard_map_functions`` build one
 per named optimizer and cache it.
 """
 
-import contextlib
 import functools
 
 import chex
@@ -15,6 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import apply_step, assert_replicas_identical, backend_compiles, host_arrays, is_key
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
@@ -24,7 +24,6 @@ import qsgd_jax
 
 AXIS = "batch"
 NUM_DEVICES = 8
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 # A least-squares problem: "w" (8192 elements) is sent compressed, "b" (128,
 # under the default min_compressed_size) in float32.
@@ -80,42 +79,6 @@ def _gaussian(seed):
                       "b": jax.random.normal(b_key, (NUM_DEVICES, 128))})
 
 
-def _is_key(x):
-  return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _numpy(tree):
-  """``tree`` as numpy arrays, typed PRNG keys as their key data."""
-  return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if _is_key(x) else x), tree)
-
-
-def _assert_replicas_identical(tree):
-  for leaf in jax.tree.leaves(_numpy(tree)):
-    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
-
-
-def _apply(tx, params, state, grads):
-  updates, state = tx.update(grads, state, params)
-  return optax.apply_updates(params, updates), state
-
-
-@contextlib.contextmanager
-def _backend_compiles():
-  """Collects an entry each time XLA compiles a program."""
-  compiles = []
-
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if event == _BACKEND_COMPILE:
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield compiles
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @functools.cache
 def _pmap_functions(name):
   """``(init, step)`` pmapped for ``_OPTIMIZERS[name]``; ``step`` counts its traces."""
@@ -124,7 +87,7 @@ def _pmap_functions(name):
   def step(params, state, x, y):
     _TRACES[name] += 1
     grads = jax.grad(_loss)(params, x, y)
-    return (*_apply(tx, params, state, grads), jax.lax.pmean(_loss(params, x, y), AXIS))
+    return (*apply_step(tx, params, state, grads), jax.lax.pmean(_loss(params, x, y), AXIS))
 
   return jax.pmap(tx.init, axis_name=AXIS), jax.pmap(step, axis_name=AXIS)
 
@@ -140,7 +103,7 @@ def _pmap_train(name, num_steps, params=None, state=None, check_replicas=False):
     params, state, loss = jax.block_until_ready(step(params, state, *_PMAP_DATA))
     losses.append(float(loss[0]))
     if check_replicas:
-      _assert_replicas_identical(params)
+      assert_replicas_identical(params)
   return params, state, losses
 
 
@@ -150,7 +113,7 @@ def _device_step(tx, params, state, x, y):
   # autodiff; the device's own gradient is that of its parameters made varying.
   local = jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying"), params)
   grads = jax.grad(_loss)(local, x[0], y[0])
-  return _apply(tx, params, state, grads)
+  return apply_step(tx, params, state, grads)
 
 
 @functools.cache
@@ -197,15 +160,15 @@ def test_shard_map_training_keeps_replicas_identical_and_matches_pmap():
   state = init(params)
   for _ in range(3):
     params, state, copies = jax.block_until_ready(step(params, state, inputs, targets))
-    _assert_replicas_identical(copies)
+    assert_replicas_identical(copies)
   assert float(qsgd_jax.compression_stats(state).compression_ratio) > 5
 
   pmap_params, pmap_state, _ = _pmap_train("onebit_both", 3)
-  chex.assert_trees_all_equal(_numpy(params), _numpy(_first(pmap_params)))
+  chex.assert_trees_all_equal(host_arrays(params), host_arrays(_first(pmap_params)))
   # The residuals too: shard_map lays them out along the axis, pmap stacks them.
   chex.assert_trees_all_equal(
-      _numpy(state[0].local_error),
-      _numpy(tuple(e.reshape(-1) for e in pmap_state[0].local_error)))
+      host_arrays(state[0].local_error),
+      host_arrays(tuple(e.reshape(-1) for e in pmap_state[0].local_error)))
 
 
 def test_shard_map_scan_carries_the_state():
@@ -226,7 +189,7 @@ def test_shard_map_scan_carries_the_state():
       train, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)))
   params, _ = jax.block_until_ready(train(params, init(params), inputs, targets))
   pmap_params, _, _ = _pmap_train("onebit_both", 3)
-  chex.assert_trees_all_equal(_numpy(params), _numpy(_first(pmap_params)))
+  chex.assert_trees_all_equal(host_arrays(params), host_arrays(_first(pmap_params)))
 
 
 @pytest.mark.parametrize("name, mapping", [
@@ -241,7 +204,7 @@ def test_steps_after_the_first_do_not_recompile(name, mapping):
     state = init(params)
   params, state, _ = jax.block_until_ready(step(params, state, *data))
   traces = _TRACES[name]
-  with _backend_compiles() as compiles:
+  with backend_compiles() as compiles:
     for _ in range(3):
       params, state, _ = jax.block_until_ready(step(params, state, *data))
   assert not compiles
@@ -261,10 +224,10 @@ def _save_and_restore_with_orbax(tree, directory):
 
 def _save_and_restore_with_numpy(tree, directory):
   del directory
-  saved = _numpy(tree)  # What np.savez would write.
+  saved = host_arrays(tree)  # What np.savez would write.
   return jax.tree.map(
       lambda like, array: (jax.random.wrap_key_data(array, impl=jax.random.key_impl(like))
-                           if _is_key(like) else jnp.asarray(array)),
+                           if is_key(like) else jnp.asarray(array)),
       tree, saved)
 
 
@@ -276,7 +239,7 @@ def test_checkpoint_mid_training_continues_exactly(save_and_restore, tmp_path):
   restored = save_and_restore({"params": params, "opt_state": state}, tmp_path)
   assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(state)
   resumed = _pmap_train("onebit_both", 2, restored["params"], restored["opt_state"])[:2]
-  chex.assert_trees_all_equal(_numpy(resumed), _numpy(straight))
+  chex.assert_trees_all_equal(host_arrays(resumed), host_arrays(straight))
 
 
 # Composition with optax's wrappers.
@@ -292,27 +255,27 @@ def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
                    optax.apply_if_finite(optax.adam(1e-2), 3))
   params = _stacked(_PARAMS)
   state = jax.pmap(tx.init, axis_name=AXIS)(params)
-  step = jax.pmap(functools.partial(_apply, tx), axis_name=AXIS)
+  step = jax.pmap(functools.partial(apply_step, tx), axis_name=AXIS)
   params, state = jax.block_until_ready(step(params, state, _gaussian(0)))
 
   poisoned = _gaussian(1)
   poisoned["w"] = poisoned["w"].at[3, 5, 7].set(bad)  # One element on device 3.
   poisoned = _on_devices(poisoned)
   skipped_params, skipped_state = jax.block_until_ready(step(params, state, poisoned))
-  chex.assert_trees_all_equal(_numpy(skipped_params), _numpy(params))
+  chex.assert_trees_all_equal(host_arrays(skipped_params), host_arrays(params))
   assert not np.asarray(skipped_state[1].last_finite).any()
   for field in ("local_error", "chunk_error"):
-    chex.assert_trees_all_equal(_numpy(getattr(skipped_state[0], field)),
-                                _numpy(getattr(state[0], field)))
-  chex.assert_trees_all_equal(_numpy(skipped_state[1].inner_state),
-                              _numpy(state[1].inner_state))
+    chex.assert_trees_all_equal(host_arrays(getattr(skipped_state[0], field)),
+                                host_arrays(getattr(state[0], field)))
+  chex.assert_trees_all_equal(host_arrays(skipped_state[1].inner_state),
+                              host_arrays(state[1].inner_state))
 
   params, state = jax.block_until_ready(step(skipped_params, skipped_state, _gaussian(2)))
   assert np.asarray(state[1].last_finite).all()
-  for leaf in jax.tree.leaves(_numpy((params, state[0].local_error, state[0].chunk_error))):
+  for leaf in jax.tree.leaves(host_arrays((params, state[0].local_error, state[0].chunk_error))):
     assert np.isfinite(leaf).all()
   assert not np.array_equal(np.asarray(params["w"]), np.asarray(skipped_params["w"]))
-  _assert_replicas_identical(params)
+  assert_replicas_identical(params)
 
 
 def _multiples_of_an_eighth():
@@ -364,7 +327,7 @@ def test_inject_hyperparams_learning_rate_changes_mid_run():
                    optax.inject_hyperparams(optax.adam)(learning_rate=1e-3))
   params = _stacked(_PARAMS)
   state = jax.pmap(tx.init, axis_name=AXIS)(params)
-  step = jax.pmap(functools.partial(_apply, tx), axis_name=AXIS)
+  step = jax.pmap(functools.partial(apply_step, tx), axis_name=AXIS)
   learning_rate = state[1].hyperparams["learning_rate"]
   zero, larger = jnp.zeros_like(learning_rate), jnp.full_like(learning_rate, 1e-2)
 
@@ -375,18 +338,18 @@ def test_inject_hyperparams_learning_rate_changes_mid_run():
   first_change = largest_change(new_params, params)
   params = new_params
   grads = _gaussian(1), _gaussian(2)
-  with _backend_compiles() as compiles:
+  with backend_compiles() as compiles:
     frozen_params, state = jax.block_until_ready(
         step(params, _with_learning_rate(state, zero), grads[0]))
     counts = np.asarray(state[0].count)
     new_params, state = jax.block_until_ready(
         step(params, _with_learning_rate(state, larger), grads[1]))
   assert not compiles
-  chex.assert_trees_all_equal(_numpy(frozen_params), _numpy(params))
+  chex.assert_trees_all_equal(host_arrays(frozen_params), host_arrays(params))
   assert (counts == 2).all()  # The all-reduce ran all the same.
   # Adam's early steps move each coordinate by about the learning rate.
   assert 5 < largest_change(new_params, params) / first_change < 20
-  _assert_replicas_identical(new_params)
+  assert_replicas_identical(new_params)
 
 
 def test_compression_stats_are_found_in_wrapped_states():
@@ -480,11 +443,11 @@ def test_warmup_steps_are_exact_float32_means():
     grads = _gaussian(10 + step)
     mean, state = jax.block_until_ready(update(grads, state))
     exact = pmean(grads)
-    _assert_replicas_identical(mean)
+    assert_replicas_identical(mean)
     stats = _first(qsgd_jax.compression_stats(state))
     residual = np.asarray(state.local_error[1])
     if step < warmup_steps:
-      chex.assert_trees_all_equal(_numpy(mean), _numpy(exact))
+      chex.assert_trees_all_equal(host_arrays(mean), host_arrays(exact))
       assert float(stats.compression_ratio) == 1
       assert float(stats.wire_bits) == float(stats.float32_bits)
       assert not residual.any()
@@ -626,7 +589,7 @@ def test_error_feedback_matters_on_digits():
   keys = jax.random.key_data(jax.random.split(jax.random.key(1), len(_DIGITS_SEEDS)))
   final = jax.block_until_ready(_digits_train()(
       _stacked(params), x_train, y_train, jax.random.wrap_key_data(_stacked(keys))))
-  _assert_replicas_identical(final)
+  assert_replicas_identical(final)
   accuracy, loss = {}, {}
   for mode, mode_params in final.items():
     mode_params = jax.tree.map(lambda x: x[0], mode_params)  # [seeds, ...]
