@@ -206,13 +206,14 @@ def main() -> None:
 
   device = jax.devices(args.platform)[0]
   results = run(device, args.size, args.repeats)
+  datasheet = datasheet_bandwidth(device)
   if args.peak_gb_per_s is not None:
     peak = {"gb_per_s": args.peak_gb_per_s, "source": "--peak-gb-per-s"}
   elif device.platform == "cpu":
     peak = {"gb_per_s": results["floor_x_times_2_plus_1"]["gb_per_s"],
             "source": "x * 2 + 1 measured on this CPU"}
-  elif datasheet_bandwidth(device) is not None:
-    peak = {"gb_per_s": datasheet_bandwidth(device), "source": f"{device.device_kind} datasheet"}
+  elif datasheet is not None:
+    peak = {"gb_per_s": datasheet, "source": f"{device.device_kind} datasheet"}
   else:
     peak = {"gb_per_s": results["floor_x_times_2_plus_1"]["gb_per_s"],
             "source": f"x * 2 + 1 measured ({device.device_kind} not in the table)"}
