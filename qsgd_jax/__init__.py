@@ -10,6 +10,7 @@ and optax transformations (:func:`qsgd`, :func:`onebit_sgd`,
 
 from qsgd_jax import elias
 from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
+from qsgd_jax._src.axes import as_varying
 from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
 from qsgd_jax._src.baselines import Cast, Identity
 from qsgd_jax._src.collectives import quantized_pmean, quantized_psum
@@ -50,6 +51,7 @@ __all__ = (
     "QSGD",
     "SharedScaleCompressor",
     "accumulate_gradients",
+    "as_varying",
     "averaged_params",
     "collectives_in_hlo",
     "compressed_allreduce",

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import collectives
+from qsgd_jax._src import plan, reduction
 
 AXIS = "batch"
 NUM_DEVICES = 8
@@ -285,10 +285,13 @@ def test_devices_draw_independently_two_phase_first_phase():
   x = _stat_input(True)
 
   def first_phase_errors(x):
-    return {name: collectives.reduce_compressed(
-                x, AXIS, compressor, KEY, mean=True, min_compressed_size=0,
-                return_local_error=True).local_error
-            for name, (compressor, method) in _STAT_VARIANTS.items() if method == "two_phase"}
+    errors = {}
+    for name, (compressor, method) in _STAT_VARIANTS.items():
+      if method == "two_phase":
+        reduction_plan = plan.make_plan(x, AXIS, compressor, min_compressed_size=0)
+        (errors[name],) = reduction.reduce(reduction_plan, x, KEY, mean=True,
+                                           want_local_error=True).local_error
+    return errors
 
   out = _rows(jax.pmap(first_phase_errors, axis_name=AXIS)(x))
   for name, errors in out.items():

@@ -375,10 +375,14 @@ def test_state_partition_specs_lay_residuals_along_the_axis():
   tx = optax.chain(
       qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=NUM_DEVICES),
       optax.adam(1e-3))
-  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _PARAMS), AXIS)
+  shapes = jax.eval_shape(tx.init, _PARAMS)
+  specs = qsgd_jax.state_partition_specs(shapes, AXIS)
   ours = specs[0]
-  assert ours.local_error == (P(AXIS), P(AXIS))
-  assert ours.chunk_error == (P(AXIS),)  # Only "w" is sent compressed.
+  # Only "w" is sent compressed: it alone has residuals, shaped like what they hold.
+  assert ours.local_error == (P(AXIS),)
+  assert [e.shape for e in shapes[0].local_error] == [(64 * 128,)]
+  assert ours.chunk_error == (P(AXIS),)  # One block: every leaf side by side.
+  assert [e.shape for e in shapes[0].chunk_error] == [(1, 64 * 128 // NUM_DEVICES)]
   assert ours.key == ours.count == P()
   assert all(spec == P() for spec in ours.stats)
   assert all(spec == P() for spec in jax.tree.leaves(
@@ -445,7 +449,7 @@ def test_warmup_steps_are_exact_float32_means():
     exact = pmean(grads)
     assert_replicas_identical(mean)
     stats = _first(qsgd_jax.compression_stats(state))
-    residual = np.asarray(state.local_error[1])
+    (residual,) = np.asarray(state.local_error)  # "w", the one leaf sent compressed.
     if step < warmup_steps:
       chex.assert_trees_all_equal(host_arrays(mean), host_arrays(exact))
       assert float(stats.compression_ratio) == 1

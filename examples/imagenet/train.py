@@ -119,7 +119,8 @@ def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
     return cross_entropy(logits, batch["label"]).mean(), (logits, updated["batch_stats"])
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, (logits, batch_stats)), grads = grad_fn(_device_copy(state.params))
+  # Each device's own gradient: under shard_map, that of its own (varying) copy of the params.
+  (loss, (logits, batch_stats)), grads = grad_fn(qsgd_jax.as_varying(state.params, AXIS))
   # No lax.pmean(grads, AXIS) here: the optimizer's first transform averages them.
   state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
   metrics = {
@@ -159,22 +160,6 @@ def eval_step(state: TrainState, batch, average_params: bool):
   if average_params:
     sums["consensus_distance"] = qsgd_jax.consensus_distance(state.params, AXIS)
   return sums
-
-
-def _device_copy(params):
-  """``params`` marked as varying over ``AXIS``, each device's own copy.
-
-  Under ``shard_map``, the gradient of replicated (invariant) parameters would
-  be summed over the devices by ``jax.grad`` itself; a per-device copy gets each
-  device's own gradient, which the optimizer then averages its way.
-  """
-
-  def copy(x):
-    if AXIS in jax.typeof(x).manual_axis_type.varying:
-      return x
-    return jax.lax.pcast(x, AXIS, to="varying")
-
-  return jax.tree.map(copy, params)
 
 
 class Mapped(NamedTuple):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import collectives
+from qsgd_jax._src import axes
 
 
 class AccumulationState(NamedTuple):
@@ -153,6 +153,6 @@ def _varying_like(tree, like):
     other_type = other if isinstance(other, jax.ShapeDtypeStruct) else jax.typeof(other)
     # None where nothing is tracked (pmap, or no mapped axis).
     manual = other_type.manual_axis_type
-    return collectives._as_varying(x, tuple(manual.varying) if manual else ())
+    return axes.as_varying(x, tuple(manual.varying)) if manual and manual.varying else x
 
   return jax.tree.map(cast, tree, like)

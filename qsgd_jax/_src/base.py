@@ -139,23 +139,6 @@ def check_float_leaves(tree, owner: str) -> None:
       )
 
 
-def bound_axis_size(axis_name, owner: str) -> int:
-  """Size of a mapped axis (the product over a tuple of names).
-
-  Raises a ``NameError`` that says how to bind the axis where it is not bound.
-  """
-  size = 1
-  for name in axis_name if isinstance(axis_name, tuple | list) else (axis_name,):
-    try:
-      size *= jax.lax.axis_size(name)
-    except NameError as error:
-      raise NameError(
-          f"{owner}: axis_name {name!r} is not bound: call update inside "
-          f"jax.pmap(..., axis_name={name!r}) or a jax.shard_map over a mesh with that axis."
-      ) from error
-  return size
-
-
 def as_float32(x: jax.Array, owner: str) -> jax.Array:
   """``x`` in float32, or a ``TypeError`` naming ``owner`` if it is not float."""
   x = jnp.asarray(x)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, collectives, grouping, serialize, stats
+from qsgd_jax._src import axes, base, grouping, serialize, stats, wire
 from qsgd_jax._src.minmax import MinMax
 
 _TOPOLOGIES = ("ring",)
@@ -180,7 +180,8 @@ def low_precision_decentralized(
           "call update(updates, state, params)."
       )
     base.check_float_leaves(params, "low_precision_decentralized")
-    size = base.bound_axis_size(axis_name, "low_precision_decentralized")
+    size = axes.parse(axis_name, "low_precision_decentralized").size(
+        "low_precision_decentralized")
     if size < 2:
       raise ValueError(
           f"low_precision_decentralized: axis {axis_name!r} has size {size}; "
@@ -245,11 +246,15 @@ def low_precision_decentralized(
         key=key,
         # One buffer to each neighbour (one to the single peer of a pair).
         stats=stats.make((1 if size == 2 else 2) * 32 * words.size,
-                         collectives.float32_allreduce_bits(params, axis_name), jnp.nan),
+                         wire.float32_allreduce_bits(_num_elements(params), size), jnp.nan),
     )
     return treedef.unflatten(new_updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _num_elements(tree) -> int:
+  return sum(jnp.size(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def consensus_distance(params: optax.Params, axis_name: Any) -> jax.Array:

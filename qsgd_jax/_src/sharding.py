@@ -3,7 +3,7 @@
 import jax
 from jax.sharding import PartitionSpec
 
-from qsgd_jax._src import collectives
+from qsgd_jax._src import axes
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.stats import CompressionStats
@@ -12,7 +12,7 @@ from qsgd_jax._src.transforms import CompressedAllReduceState
 _STATES = (AccumulationState, CompressedAllReduceState, LowPrecisionDecentralizedState)
 
 
-def state_partition_specs(opt_state, axis_name: collectives.AxisName):
+def state_partition_specs(opt_state, axis_name: axes.AxisName):
   """``PartitionSpec`` tree of an optax state for ``jax.shard_map``.
 
   * In a :class:`~qsgd_jax.CompressedAllReduceState` the residuals differ per

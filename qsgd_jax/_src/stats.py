@@ -5,6 +5,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from qsgd_jax._src.plan import ReductionPlan
+from qsgd_jax._src.reduction import Reduction
+
 
 class CompressionStats(NamedTuple):
   """What one step of a compressed all-reduce or exchange put on the wire, per device.
@@ -19,11 +22,12 @@ class CompressionStats(NamedTuple):
       gradients (or, decentralized, parameters) would send:
       ``2 (n - 1) / n * 32`` a coordinate.
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
-    elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
-      every payload were Elias-coded (the smaller of the sparse and dense
-      variants per bucket), estimated from each device's first-phase
-      payloads and averaged over the axis (one scalar ``pmean``, counted
-      in ``wire_bits``); NaN for other compressors or when not tracked.
+    elias_bits: ``float32[]``, for QSGD's two-phase reduction, ``wire_bits``
+      as it would be if every payload the step sent were Elias-coded (the
+      smaller of the sparse and dense variants per bucket), float32 traffic
+      unchanged: see :func:`elias_wire_bits`. Averaged over the axis (one
+      scalar ``pmean``, counted in ``wire_bits``); NaN for other compressors
+      and methods, or when not tracked.
   """
 
   wire_bits: jax.Array
@@ -62,3 +66,32 @@ def make(wire_bits, full_bits, elias_bits) -> CompressionStats:
       compression_ratio=full / wire,
       elias_bits=jnp.asarray(elias_bits, jnp.float32),
   )
+
+
+def elias_wire_bits(plan: ReductionPlan, sent: Reduction) -> jax.Array:
+  """Bits this device sent in ``plan``, were every payload Elias-coded.
+
+  Each collective that carries QSGD payloads (the two-phase all-to-all and
+  all-gather) counts ``bytes_sent`` scaled by the Elias size of the payloads
+  it carried over their fixed-width size: this device's pieces for the
+  all-to-all, every owner's sums for the all-gather. Every other collective
+  (float32 leaves, inner axes) counts as it is.
+
+  Args:
+    plan: a two-phase plan for a :class:`~qsgd_jax.QSGD` compressor.
+    sent: what :func:`~qsgd_jax._src.reduction.reduce` returned for it.
+
+  Returns:
+    A float32 scalar, this device's own estimate.
+  """
+  payloads = {"first phase": sent.first_phase, "second phase": sent.second_phase}
+  elias_bits = jax.vmap(jax.vmap(plan.compressor.elias_bits))
+  total = jnp.float32(0)
+  for collective in plan.collectives:
+    bits = 8 * collective.bytes_sent
+    if collective.carries in payloads:
+      coded = sum(jnp.sum(elias_bits(p).smaller.astype(jnp.float32))
+                  for p in payloads[collective.carries])
+      bits = bits * coded / (8 * collective.result_bytes)
+    total += bits
+  return total

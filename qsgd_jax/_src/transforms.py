@@ -1,13 +1,12 @@
 """optax transformations that average gradients with a quantized all-reduce."""
 
-import math
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import base, collectives, grouping, stats
+from qsgd_jax._src import axes, base, plan, reduction, stats, wire
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD
 
@@ -21,13 +20,15 @@ class CompressedAllReduceState(NamedTuple):
     key: typed PRNG key ``key<impl>[]``, split every step; the same on every
       device (each device folds in its axis index).
     count: ``int32[]``, steps taken (for the warm-up).
-    local_error: per device, a tuple with one ``float32[leaf.size]`` a
-      gradient leaf: the residual of the device's own compressed gradient
-      (empty tuple without worker error feedback).
-    chunk_error: per device, a tuple with one ``float32[piece]`` a leaf sent
-      compressed (leaves sent in full precision have none): the residual of
-      re-quantizing the chunk the device owns (empty tuple without owner
-      error feedback).
+    local_error: per device, one ``float32[length]`` a leaf sent compressed,
+      ``length`` the elements the device quantizes of it (the leaf's size, or
+      its share after the full-precision reduce-scatter over inner axes): the
+      residual of the device's own compressed gradient (empty tuple without
+      worker error feedback).
+    chunk_error: per device, one ``float32[batch, width]`` a block of the
+      reduction plan (all leaves side by side for a compressor with a fixed
+      bucket size, else one block a leaf shape): the residual of re-quantizing
+      the sums the device owns (empty tuple without owner error feedback).
     stats: the last step's :class:`CompressionStats`.
   """
 
@@ -40,13 +41,13 @@ class CompressedAllReduceState(NamedTuple):
 
 def compressed_allreduce(
     compressor: base.Compressor,
-    axis_name: collectives.AxisName,
+    axis_name: axes.AxisName,
     *,
     key: jax.Array | int = 0,
     error_feedback: ErrorFeedback = False,
     warmup_steps: int = 0,
-    method: Literal["two_phase", "psum"] = "two_phase",
-    min_compressed_size: int = collectives.DEFAULT_MIN_COMPRESSED_SIZE,
+    method: plan.Method = "two_phase",
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
     axis_size: int | dict[str, int] | None = None,
     track_elias: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -108,10 +109,12 @@ def compressed_allreduce(
     method: ``"two_phase"`` or ``"psum"``, see :func:`~qsgd_jax.quantized_psum`.
     min_compressed_size: leaves with fewer elements go in full precision.
     axis_size: the size of ``axis_name`` (an int, or a dict for several
-      axes). Only owner error feedback needs it, and only when ``init`` runs
+      axes). Only the residuals' shapes need it (owner error feedback, and
+      worker error feedback over several axes), and only when ``init`` runs
       outside the mapped function, where the size cannot be read.
-    track_elias: for QSGD, compute :attr:`CompressionStats.elias_bits` every
-      step (one extra pass over the payloads).
+    track_elias: for QSGD with ``method="two_phase"``, compute
+      :attr:`CompressionStats.elias_bits` every step from the payloads the
+      step sent (one extra pass over them).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` ignores
@@ -135,11 +138,6 @@ def compressed_allreduce(
     Interspeech 2014; Karimireddy et al., `Error Feedback Fixes SignSGD
     <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
-  if not isinstance(compressor, base.Compressor):
-    raise TypeError(
-        f"compressor must be a qsgd_jax.Compressor, got {type(compressor).__name__}: "
-        f"{compressor!r}."
-    )
   if not (isinstance(error_feedback, bool)
           or (isinstance(error_feedback, str) and error_feedback in ("worker", "owner", "both"))):
     raise ValueError(
@@ -148,54 +146,44 @@ def compressed_allreduce(
     )
   if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
-  if method not in ("two_phase", "psum"):
-    raise ValueError(f"method must be 'two_phase' or 'psum', got {method!r}.")
   worker_feedback = error_feedback in (True, "worker", "both")
   owner_feedback = error_feedback in ("owner", "both")
   if owner_feedback and method == "psum":
     raise ValueError("owner error feedback needs method='two_phase': 'psum' has no owners.")
-  elias_compressor = compressor if track_elias and isinstance(compressor, QSGD) else None
-  reduce_options = dict(method=method, min_compressed_size=min_compressed_size)
+  track_elias = track_elias and isinstance(compressor, QSGD) and method == "two_phase"
+
+  def make_plan(tree, axis_sizes=None):
+    return plan.make_plan(tree, axis_name, compressor, method=method,
+                          min_compressed_size=min_compressed_size, axis_sizes=axis_sizes,
+                          owner="compressed_allreduce")
+
+  # Fails at construction, not at the first step, for a bad compressor, method or axis.
+  make_plan((), axis_sizes={})
 
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
-    local_error = tuple(jnp.zeros((leaf.size,), jnp.float32) for leaf in leaves) if (
-        worker_feedback) else ()
-    chunk_error = ()
-    if owner_feedback:
-      shapes = collectives.chunk_error_shapes(
-          params, axis_name, compressor, min_compressed_size=min_compressed_size,
-          axis_sizes=_axis_sizes(axis_name, axis_size),
-      )
-      # Leaves sent in full precision have empty residuals; orbax cannot save empty arrays.
-      chunk_error = tuple(
-          jnp.zeros(s.shape, s.dtype) for s in jax.tree.leaves(shapes) if s.shape != (0,))
+    reduction_plan = make_plan(params, _axis_sizes(axis_name, axis_size))
     nan = jnp.full((), jnp.nan, jnp.float32)
     return CompressedAllReduceState(
         key=base.as_key(key),
         count=jnp.zeros((), jnp.int32),
-        local_error=local_error,
-        chunk_error=chunk_error,
+        local_error=_zeros(reduction_plan.local_error_shapes()) if worker_feedback else (),
+        chunk_error=_zeros(reduction_plan.owner_error_shapes()) if owner_feedback else (),
         stats=stats.CompressionStats(nan, nan, nan, nan),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    base.bound_axis_size(axis_name, "compressed_allreduce")
+    reduction_plan = make_plan(updates)
     next_key, step_key = jax.random.split(state.key)
-    treedef = jax.tree.structure(updates)
-    is_compressed = [math.prod(jnp.shape(leaf)) >= min_compressed_size
-                     for leaf in jax.tree.leaves(updates)]
-    full_bits = collectives.float32_allreduce_bits(updates, axis_name)
+    devices = reduction_plan.num_devices
+    float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements, devices)
+    flag_bits = wire.float32_allreduce_bits(1, devices)
 
     def compressed(_):
-      out = collectives.reduce_compressed(
-          updates, axis_name, compressor, step_key, mean=True,
-          local_error=(jax.tree.unflatten(treedef, state.local_error)
-                       if worker_feedback else None),
-          chunk_error=(_with_empty(state.chunk_error, is_compressed)
-                       if owner_feedback else None),
-          **reduce_options,
+      out = reduction.reduce(
+          reduction_plan, updates, step_key, mean=True,
+          local_error=state.local_error if worker_feedback else None,
+          owner_error=state.chunk_error if owner_feedback else None,
       )
       # A NaN or inf on one device must reach every device, as through lax.pmean; the
       # quantizers' scales need not carry it (XLA's row reductions may drop a NaN).
@@ -203,34 +191,26 @@ def compressed_allreduce(
           jnp.logical_not(_all_finite(updates)).astype(jnp.float32), axis_name)
       finite = nonfinite_devices == 0
       mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype), out.tree)
-      wire_bits = collectives.wire_bits(updates, axis_name, compressor, **reduce_options)
-      wire_bits += _scalar_allreduce_bits(axis_name)
+      wire_bits = reduction_plan.wire_bits + flag_bits
       elias_bits = jnp.full((), jnp.nan, jnp.float32)
-      if elias_compressor is not None:
-        # Each device estimates from its own payloads; the mean is the same everywhere.
-        elias_bits = jax.lax.pmean(
-            _elias_wire_bits(updates, elias_compressor, step_key, wire_bits,
-                             min_compressed_size),
-            axis_name)
-        wire_bits += _scalar_allreduce_bits(axis_name)
+      if track_elias:
+        # Each device's first-phase payloads are its own: one scalar pmean, counted too.
+        wire_bits += flag_bits
+        elias_bits = jax.lax.pmean(stats.elias_wire_bits(reduction_plan, out), axis_name)
+        elias_bits += 2 * flag_bits
       # A skipped step (optax.apply_if_finite after this transform) leaves the residuals.
-      local_error = tuple(
-          jnp.where(finite, new.reshape(-1), old)
-          for new, old in zip(jax.tree.leaves(out.local_error), state.local_error, strict=True)
-      ) if worker_feedback else ()
-      chunk_error = tuple(
-          jnp.where(finite, new, old) for new, old in zip(
-              [e for e, kept in zip(out.chunk_error, is_compressed, strict=True) if kept],
-              state.chunk_error, strict=True)
-      ) if owner_feedback else ()
-      return (mean, _per_device(local_error, axis_name), _per_device(chunk_error, axis_name),
-              stats.make(wire_bits, full_bits, elias_bits))
+      local_error = _where(finite, out.local_error, state.local_error) if worker_feedback else ()
+      chunk_error = _where(finite, out.owner_error, state.chunk_error) if owner_feedback else ()
+      return (mean, axes.as_varying(local_error, axis_name),
+              axes.as_varying(chunk_error, axis_name),
+              stats.make(wire_bits, float32_bits, elias_bits))
 
     def full_precision(_):
       mean = jax.lax.pmean(updates, axis_name)
       nan = jnp.full((), jnp.nan, jnp.float32)
-      return (mean, _per_device(state.local_error, axis_name),
-              _per_device(state.chunk_error, axis_name), stats.make(full_bits, full_bits, nan))
+      return (mean, axes.as_varying(state.local_error, axis_name),
+              axes.as_varying(state.chunk_error, axis_name),
+              stats.make(float32_bits, float32_bits, nan))
 
     if warmup_steps:
       mean, local_error, chunk_error, step_stats = jax.lax.cond(
@@ -251,7 +231,7 @@ def compressed_allreduce(
 
 
 def qsgd(
-    axis_name: collectives.AxisName,
+    axis_name: axes.AxisName,
     bits: int = 4,
     bucket_size: int | None = 512,
     norm: Literal["max", "l2"] = "max",
@@ -288,7 +268,7 @@ def qsgd(
 
 
 def onebit_sgd(
-    axis_name: collectives.AxisName,
+    axis_name: axes.AxisName,
     key: jax.Array | int = 0,
     *,
     bucket_size: int | None = 512,
@@ -327,66 +307,33 @@ def onebit_sgd(
   )
 
 
-def _axis_sizes(axis_name, axis_size) -> dict[str, int] | None:
-  names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+def _axis_sizes(axis_name, axis_size) -> dict[str, int | None]:
+  """Each axis's size: as given, else as bound here, else ``None`` (unknown)."""
+  names = axes.parse(axis_name, "compressed_allreduce").names
   if axis_size is None:
-    try:
-      return {name: jax.lax.axis_size(name) for name in names}
-    except NameError as error:
-      raise ValueError(
-          f"Owner error feedback sizes its residuals by the size of axis {axis_name!r}, "
-          "which is not bound where init runs: pass axis_size=... to "
-          "compressed_allreduce, or call init inside the mapped function."
-      ) from error
-  if isinstance(axis_size, int):
+    given = {}
+  elif isinstance(axis_size, int):
     if len(names) != 1:
       raise ValueError(f"axis_size must be a dict naming each of {names}, got {axis_size}.")
-    return {names[0]: axis_size}
-  return dict(axis_size)
+    given = {names[0]: axis_size}
+  else:
+    given = dict(axis_size)
+  sizes = {}
+  for name in names:
+    try:
+      sizes[name] = given[name] if name in given else jax.lax.axis_size(name)
+    except NameError:
+      sizes[name] = None
+  return sizes
 
 
-def _per_device(residuals: tuple[jax.Array, ...], axis_name) -> tuple[jax.Array, ...]:
-  """Residuals typed as varying over ``axis_name`` under ``shard_map``.
-
-  A residual of a leaf sent in full precision is a constant zero, which
-  shard_map types as replicated; both branches of the warm-up ``cond`` and a
-  ``scan`` carrying the state need every residual typed alike.
-  """
-  axes = tuple(axis_name) if isinstance(axis_name, tuple | list) else axis_name
-  return tuple(collectives._as_varying(e, axes) for e in residuals)
+def _zeros(shapes) -> tuple[jax.Array, ...]:
+  return tuple(jnp.zeros(shape.shape, shape.dtype) for shape in shapes)
 
 
-def _with_empty(chunk_error: tuple[jax.Array, ...], is_compressed: list[bool]):
-  """One residual a leaf, as :func:`collectives.reduce_compressed` takes them."""
-  stored = iter(chunk_error)
-  return tuple(next(stored) if kept else jnp.zeros((0,), jnp.float32) for kept in is_compressed)
+def _where(condition, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...]):
+  return tuple(jnp.where(condition, n, o) for n, o in zip(new, old, strict=True))
 
 
 def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
-
-
-def _scalar_allreduce_bits(axis_name) -> float:
-  """Bits one device sends in an all-reduce of one float32 over ``axis_name``."""
-  return collectives.float32_allreduce_bits(jnp.zeros(()), axis_name)
-
-
-def _elias_wire_bits(updates, compressor, key, wire_bits, min_compressed_size):
-  """``wire_bits`` scaled by Elias size / packed size of this device's payloads.
-
-  The device's large gradient leaves are encoded once more with the step's
-  key (batched as the reduction batches them), and their levels Elias-coded (the smaller variant per
-  bucket): the fraction of the fixed-width payload that Elias coding would
-  take.
-  """
-  vectors = [leaf.astype(jnp.float32).reshape(-1) for leaf in jax.tree.leaves(updates)
-             if leaf.size >= min_compressed_size]
-  if not vectors:
-    return jnp.asarray(wire_bits, jnp.float32)
-  layout = grouping.layout(compressor, vectors)
-  payloads = grouping.encode_blocks(compressor, key, layout.join(vectors))
-  packed_bits = sum(batch * compressor.wire_bits((length,))
-                    for batch, length in layout.block_sizes())
-  elias_total = sum(jnp.sum(jax.vmap(compressor.elias_bits)(p).smaller.astype(jnp.float32))
-                    for p in payloads)
-  return wire_bits * elias_total / packed_bits

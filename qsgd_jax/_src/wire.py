@@ -102,16 +102,35 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
     else:
       result_bytes = sum(arrays)
     n = _group_size(line, devices)
-    if kind == "all-reduce":
-      sent = 2 * (n - 1) / n * result_bytes
-    elif kind == "reduce-scatter":
-      sent = (n - 1) * result_bytes
-    elif kind == "collective-permute":
-      sent = float(result_bytes)
-    else:
-      sent = (n - 1) / n * result_bytes
-    found.append(Collective(kind, result_type, result_bytes, n, sent))
+    found.append(Collective(kind, result_type, result_bytes, n, bytes_sent(kind, result_bytes, n)))
   return found
+
+
+def bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
+  """Bytes one device sends for a collective (see the module docstring).
+
+  The one formula shared by the HLO reader and the reduction plan's accounting.
+
+  Args:
+    kind: one of the HLO collective kinds of :class:`Collective`.
+    result_bytes: bytes of the collective's result on one device.
+    group_size: devices taking part in one group.
+  """
+  n = group_size
+  if kind == "all-reduce":
+    return 2 * (n - 1) / n * result_bytes
+  if kind == "reduce-scatter":
+    return (n - 1) * result_bytes
+  if kind == "collective-permute":
+    return float(result_bytes)
+  if kind in ("all-gather", "all-to-all"):
+    return (n - 1) / n * result_bytes
+  raise ValueError(f"Unknown collective kind {kind!r}; expected one of {_KINDS}.")
+
+
+def float32_allreduce_bits(num_elements: int, group_size: int) -> float:
+  """Bits one device sends in a float32 all-reduce of ``num_elements`` among ``group_size``."""
+  return 8 * bytes_sent("all-reduce", 4 * num_elements, group_size)
 
 
 def wire_bytes(hlo_text: str) -> float:

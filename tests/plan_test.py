@@ -1,0 +1,160 @@
+"""Tests of the reduction plan (``_src/plan.py``): what it says is sent is what the HLO sends.
+
+The plan decides, from static shapes, every collective a quantized reduction
+issues; the compiled program is the truth about what goes on the wire. Each
+case here compiles one reduction under ``jit(shard_map)`` on the 8 simulated
+devices and compares the two lists collective by collective.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qsgd_jax
+from qsgd_jax._src import plan as plan_lib
+from qsgd_jax._src import reduction
+
+KEY = jax.random.key(0)
+# Two leaves of one shape (one stacked block when buckets are not fixed), odd
+# sizes that no piece length divides, and small leaves that go in float32.
+_TREE = {
+    "conv_a": (3, 3, 16, 32),
+    "conv_b": (3, 3, 16, 32),
+    "dense": (1001, 7),
+    "bias": (32,),
+    "scale": (7,),
+}
+_MIN_COMPRESSED = 1000
+
+CASES = {
+    "qsgd4_two_phase": (qsgd_jax.QSGD(bits=4), "two_phase", "batch"),
+    "qsgd3_two_phase": (qsgd_jax.QSGD(bits=3, bucket_size=100), "two_phase", "batch"),
+    "minmax8_unbucketed_two_phase": (qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase",
+                                     "batch"),
+    "onebit_two_phase": (qsgd_jax.OneBit(), "two_phase", "batch"),
+    "bf16_two_phase": (qsgd_jax.Cast(jnp.bfloat16), "two_phase", "batch"),
+    "qsgd4_psum": (qsgd_jax.QSGD(bits=4), "psum", "batch"),
+    "minmax8_unbucketed_psum": (qsgd_jax.MinMax(bits=8, bucket_size=None), "psum", "batch"),
+    "qsgd4_two_level_two_phase": (qsgd_jax.QSGD(bits=4), "two_phase", ("node", "local")),
+    "minmax8_two_level_psum": (qsgd_jax.MinMax(bits=8, bucket_size=512), "psum",
+                               ("node", "local")),
+}
+
+
+def _mesh(axis_name):
+  if isinstance(axis_name, tuple):
+    return jax.make_mesh((2, 4), axis_name)
+  return jax.make_mesh((8,), (axis_name,))
+
+
+def _global_tree():
+  rng = np.random.default_rng(0)
+  return {name: rng.normal(size=(8, *shape)).astype(np.float32) for name, shape in _TREE.items()}
+
+
+def _compiled_reduction(compressor, method, axis_name):
+  mesh = _mesh(axis_name)
+  spec = P(axis_name)
+
+  def mean(tree):
+    tree = jax.tree.map(lambda x: x[0], tree)
+    return qsgd_jax.quantized_pmean(tree, axis_name, compressor, KEY, method=method,
+                                    min_compressed_size=_MIN_COMPRESSED)
+
+  tree = jax.device_put(_global_tree(), NamedSharding(mesh, spec))
+  reduce = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=spec, out_specs=P()))
+  return reduce.lower(tree).compile()
+
+
+def _plan(compressor, method, axis_name):
+  sizes = {"node": 2, "local": 4} if isinstance(axis_name, tuple) else {axis_name: 8}
+  shapes = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in _TREE.items()}
+  return plan_lib.make_plan(shapes, axis_name, compressor, method=method,
+                            min_compressed_size=_MIN_COMPRESSED, axis_sizes=sizes)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plan_lists_the_collectives_of_the_compiled_program(name):
+  compressor, method, axis_name = CASES[name]
+  planned = _plan(compressor, method, axis_name)
+  text = _compiled_reduction(compressor, method, axis_name).as_text()
+  as_planned = sorted((c.kind, c.result_bytes, c.group_size, c.bytes_sent)
+                      for c in planned.collectives)
+  as_compiled = sorted((c.kind, c.result_bytes, c.group_size, c.bytes_sent)
+                       for c in qsgd_jax.collectives_in_hlo(text))
+  assert as_planned == as_compiled
+  assert planned.wire_bits == 8 * qsgd_jax.wire_bytes(text)
+
+
+def test_plan_decides_leaves_pieces_and_blocks():
+  planned = _plan(qsgd_jax.QSGD(bits=4, bucket_size=512), "two_phase", "batch")
+  # Tree order is sorted keys: bias, conv_a, conv_b, dense, scale.
+  assert planned.compressed == (1, 2, 3)
+  assert planned.full_precision == (0, 4)
+  assert planned.sent_lengths == (4608, 4608, 7007)
+  # ceil(4608 / 8) = 576 -> 2 buckets of 512; ceil(7007 / 8) = 876 -> 2 buckets.
+  assert planned.piece_lengths == (1024, 1024, 1024)
+  # A fixed bucket size: one block, every leaf's pieces side by side.
+  assert planned.layout.block_sizes() == [(1, 3072)]
+  assert [s.shape for s in planned.local_error_shapes()] == [(4608,), (4608,), (7007,)]
+  assert [s.shape for s in planned.owner_error_shapes()] == [(1, 3072)]
+
+  stacked = _plan(qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase", "batch")
+  # One bucket a piece: pieces of one length are stacked into one block.
+  assert stacked.piece_lengths == (576, 576, 876)
+  assert sorted(stacked.layout.block_sizes()) == [(1, 876), (2, 576)]
+
+  two_level = _plan(qsgd_jax.QSGD(bits=4), "two_phase", ("node", "local"))
+  # A quarter of each leaf after the inner reduce-scatter over 4 devices.
+  assert two_level.sent_lengths == (1152, 1152, 1752)
+  assert two_level.outer_size == 2 and two_level.inner_size == 4
+
+
+def test_residuals_have_the_shapes_the_plan_gives():
+  compressor = qsgd_jax.OneBit()
+  mesh = _mesh("batch")
+  planned = _plan(compressor, "two_phase", "batch")
+
+  def residuals(tree):
+    tree = jax.tree.map(lambda x: x[0], tree)
+    reduction_plan = plan_lib.make_plan(tree, "batch", compressor,
+                                        min_compressed_size=_MIN_COMPRESSED)
+    zeros = tuple(jnp.zeros(s.shape) for s in reduction_plan.owner_error_shapes())
+    out = reduction.reduce(reduction_plan, tree, KEY, mean=True, want_local_error=True,
+                           owner_error=zeros)
+    return [e[None] for e in out.local_error], [e[None] for e in out.owner_error]
+
+  tree = jax.device_put(_global_tree(), NamedSharding(mesh, P("batch")))
+  local_error, owner_error = jax.jit(jax.shard_map(
+      residuals, mesh=mesh, in_specs=P("batch"), out_specs=P("batch")))(tree)
+  assert [e.shape[1:] for e in local_error] == [s.shape for s in planned.local_error_shapes()]
+  assert [e.shape[1:] for e in owner_error] == [s.shape for s in planned.owner_error_shapes()]
+
+
+def test_plans_are_cached_and_hashable():
+  first = _plan(qsgd_jax.QSGD(bits=4), "two_phase", "batch")
+  assert _plan(qsgd_jax.QSGD(bits=4), "two_phase", "batch") is first
+  assert hash(first) == hash(_plan(qsgd_jax.QSGD(bits=4), "two_phase", "batch"))
+  assert _plan(qsgd_jax.QSGD(bits=8), "two_phase", "batch") != first
+
+
+def test_unknown_axis_size_is_an_error_only_where_it_matters():
+  shapes = {"w": jax.ShapeDtypeStruct((8192,), jnp.float32)}
+  unknown = plan_lib.make_plan(shapes, "batch", qsgd_jax.QSGD(), axis_sizes={},
+                               owner="compressed_allreduce")
+  # Worker residuals over one axis do not depend on its size...
+  assert [s.shape for s in unknown.local_error_shapes()] == [(8192,)]
+  # ...the owners' pieces do.
+  with pytest.raises(ValueError, match=r"compressed_allreduce.*axis 'batch'.*axis_size="):
+    unknown.owner_error_shapes()
+
+
+@pytest.mark.parametrize("axis_name, error", [
+    ((), ValueError), (3, TypeError), (("batch", 1), TypeError), (None, TypeError)])
+def test_axis_names_are_checked(axis_name, error):
+  shapes = {"w": jax.ShapeDtypeStruct((8192,), jnp.float32)}
+  with pytest.raises(error, match="axis_name"):
+    plan_lib.make_plan(shapes, axis_name, qsgd_jax.QSGD(), axis_sizes={})
