@@ -30,6 +30,7 @@ KEY = jax.random.key(0)
 VARIANTS = {
     "qsgd4_two_phase": (qsgd_jax.QSGD(bits=4), "two_phase", 0.35),
     "qsgd4_psum": (qsgd_jax.QSGD(bits=4), "psum", 0.3),
+    "qsgd4_all_gather": (qsgd_jax.QSGD(bits=4), "all_gather", 0.2),
     "qsgd8_two_phase": (qsgd_jax.QSGD(bits=8), "two_phase", 0.02),
     "qsgd8_psum": (qsgd_jax.QSGD(bits=8), "psum", 0.02),
     "minmax8_two_phase": (qsgd_jax.MinMax(bits=8), "two_phase", 0.02),
@@ -141,20 +142,24 @@ def test_second_call_with_new_key_and_values_does_not_retrace():
 def test_deterministic_two_phase_matches_reference():
   """OneBit's two-phase mean equals a direct re-enactment of the two phases.
 
-  Device ``d`` cuts the leaf into 8 pieces of whole buckets and encodes each;
-  owner ``j`` averages the 8 decoded pieces ``j`` and re-encodes the average;
-  everyone decodes every owner's piece.
+  Device ``d`` pads the leaf to whole buckets, cuts it into 8 pieces of whole
+  buckets and encodes each; owner ``j`` adds the 7 decoded pieces ``j`` it
+  received and its own piece ``j`` as it is, divides by 8 and re-encodes the
+  average; everyone decodes every owner's piece.
   """
   compressor = qsgd_jax.OneBit()
   x = _normal_tree()["kernel"]
   size = x.shape[1]
-  length = _piece_len(compressor, size, NUM_DEVICES)
+  buckets = -(-size // compressor.bucket_size)
+  length = -(-buckets // NUM_DEVICES) * compressor.bucket_size
   pieces = np.zeros((NUM_DEVICES, NUM_DEVICES * length), np.float32)
   pieces[:, :size] = x
   pieces = pieces.reshape(NUM_DEVICES, NUM_DEVICES, length)
 
   roundtrip = jax.jit(jax.vmap(lambda v: compressor.decode(compressor.encode(KEY, v))))
-  sent = np.asarray(roundtrip(pieces.reshape(-1, length))).reshape(pieces.shape)
+  sent = np.array(roundtrip(pieces.reshape(-1, length))).reshape(pieces.shape)
+  own = np.arange(NUM_DEVICES)
+  sent[own, own] = pieces[own, own]
   owned = sent.sum(axis=0) / NUM_DEVICES
   reference = np.asarray(roundtrip(owned)).reshape(-1)[:size]
 
@@ -207,6 +212,7 @@ _STAT_VARIANTS = {
     "qsgd4_psum": (qsgd_jax.QSGD(bits=4), "psum"),
     "minmax8_two_phase": (qsgd_jax.MinMax(bits=8, bucket_size=512), "two_phase"),
     "minmax8_psum": (qsgd_jax.MinMax(bits=8, bucket_size=512), "psum"),
+    "qsgd4_all_gather": (qsgd_jax.QSGD(bits=4), "all_gather"),
 }
 
 
@@ -260,11 +266,12 @@ def _single_device_variance(compressor):
   return float(np.mean(np.var(np.asarray(samples, np.float64), axis=0, ddof=1)))
 
 
-@pytest.mark.parametrize("name", ["qsgd4_psum", "minmax8_psum"])
-def test_devices_draw_independently_psum_method(name):
+@pytest.mark.parametrize("name", ["qsgd4_psum", "minmax8_psum", "qsgd4_all_gather"])
+def test_one_rounding_methods_average_independent_errors(name):
   """Identical inputs on every device: the mean averages 8 independent errors.
 
-  Its variance is then 1/8 of one device's quantization variance; a draw
+  Its variance is then 1/8 of one device's quantization variance (for the
+  all-gather method, the QSGD paper's: Lemma 3.1's bound over n); a draw
   shared by the devices would leave all of it.
   """
   compressor, _ = _STAT_VARIANTS[name]
@@ -469,15 +476,17 @@ def _lowered(compressor, method, min_compressed_size=_MIN_COMPRESSED):
 def _payload_words(compressor):
   """Words of the payload a device sends each peer in the first phase.
 
-  With a fixed bucket size, the pieces of every large leaf (whole buckets
-  each) lie side by side and are encoded as one vector; with
-  ``bucket_size=None``, each leaf's piece is one bucket, encoded alone.
+  With a fixed bucket size, the large leaves, each padded to whole buckets,
+  lie end to end and are cut into 8 pieces of whole buckets, encoded as one
+  vector each; with ``bucket_size=None``, each leaf's piece is one bucket,
+  encoded alone.
   """
-  lengths = [_piece_len(compressor, size, NUM_DEVICES)
-             for size in _HLO_TREE_SIZES.values() if size >= _MIN_COMPRESSED]
+  sizes = [size for size in _HLO_TREE_SIZES.values() if size >= _MIN_COMPRESSED]
   if compressor.bucket_size is None:
-    return sum(compressor.wire_bits((length,)) // 32 for length in lengths)
-  return compressor.wire_bits((sum(lengths),)) // 32
+    return sum(compressor.wire_bits((-(-size // NUM_DEVICES),)) // 32 for size in sizes)
+  buckets = sum(-(-size // compressor.bucket_size) for size in sizes)
+  piece = -(-buckets // NUM_DEVICES) * compressor.bucket_size
+  return compressor.wire_bits((piece,)) // 32
 
 
 def _check_two_phase_collectives(compressor, text):

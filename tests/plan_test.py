@@ -37,8 +37,12 @@ CASES = {
     "onebit_two_phase": (qsgd_jax.OneBit(), "two_phase", "batch"),
     "bf16_two_phase": (qsgd_jax.Cast(jnp.bfloat16), "two_phase", "batch"),
     "qsgd4_psum": (qsgd_jax.QSGD(bits=4), "psum", "batch"),
+    "qsgd4_all_gather": (qsgd_jax.QSGD(bits=4), "all_gather", "batch"),
+    "onebit_rows_all_gather": (qsgd_jax.OneBit(bucket_size=None), "all_gather", "batch"),
     "minmax8_unbucketed_psum": (qsgd_jax.MinMax(bits=8, bucket_size=None), "psum", "batch"),
     "qsgd4_two_level_two_phase": (qsgd_jax.QSGD(bits=4), "two_phase", ("node", "local")),
+    "onebit_rows_two_level_two_phase": (qsgd_jax.OneBit(bucket_size=None), "two_phase",
+                                        ("node", "local")),
     "minmax8_two_level_psum": (qsgd_jax.MinMax(bits=8, bucket_size=512), "psum",
                                ("node", "local")),
 }
@@ -89,28 +93,37 @@ def test_plan_lists_the_collectives_of_the_compiled_program(name):
   assert planned.wire_bits == 8 * qsgd_jax.wire_bytes(text)
 
 
-def test_plan_decides_leaves_pieces_and_blocks():
+def test_plan_decides_leaves_segments_and_blocks():
   planned = _plan(qsgd_jax.QSGD(bits=4, bucket_size=512), "two_phase", "batch")
   # Tree order is sorted keys: bias, conv_a, conv_b, dense, scale.
   assert planned.compressed == (1, 2, 3)
   assert planned.full_precision == (0, 4)
-  assert planned.sent_lengths == (4608, 4608, 7007)
-  # ceil(4608 / 8) = 576 -> 2 buckets of 512; ceil(7007 / 8) = 876 -> 2 buckets.
-  assert planned.piece_lengths == (1024, 1024, 1024)
-  # A fixed bucket size: one block, every leaf's pieces side by side.
-  assert planned.layout.block_sizes() == [(1, 3072)]
-  assert [s.shape for s in planned.local_error_shapes()] == [(4608,), (4608,), (7007,)]
-  assert [s.shape for s in planned.owner_error_shapes()] == [(1, 3072)]
+  # One segment: 4608 = 9 buckets twice, then 7007 padded to 14 buckets.
+  (segment,) = planned.segments
+  assert segment.leaves == (1, 2, 3) and segment.offsets == (0, 4608, 9216)
+  assert segment.run == 512 and segment.length == segment.full_length == 16384
+  # Padding paid once: 32 buckets cut into 8 pieces of 4 (per leaf: 2 + 2 + 2).
+  assert planned.blocks == (plan_lib.Block((0,), 8, 2048, (4, 512)),)
+  assert [s.shape for s in planned.local_error_shapes()] == [(16384,)]
+  assert [s.shape for s in planned.owner_error_shapes()] == [(1, 4, 512)]
 
-  stacked = _plan(qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase", "batch")
-  # One bucket a piece: pieces of one length are stacked into one block.
-  assert stacked.piece_lengths == (576, 576, 876)
-  assert sorted(stacked.layout.block_sizes()) == [(1, 876), (2, 576)]
+  whole = _plan(qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase", "batch")
+  # One scale a leaf: a segment each; pieces of one width are stacked.
+  assert [s.leaves for s in whole.segments] == [(1,), (2,), (3,)]
+  assert [s.run for s in whole.segments] == [None, None, None]
+  assert whole.blocks == (plan_lib.Block((0, 1), 8, 576, (576,)),
+                          plan_lib.Block((2,), 8, 876, (876,)))
+
+  rows = _plan(qsgd_jax.OneBit(bucket_size=None), "two_phase", "batch")
+  # One bucket a row: leaves of one row length share a segment of whole rows.
+  assert [(s.leaves, s.run) for s in rows.segments] == [((1, 2), 32), ((3,), 7)]
+  assert [b.element_shape for b in rows.blocks] == [(36, 32), (126, 7)]  # 288 / 8, 1001 / 8
 
   two_level = _plan(qsgd_jax.QSGD(bits=4), "two_phase", ("node", "local"))
-  # A quarter of each leaf after the inner reduce-scatter over 4 devices.
-  assert two_level.sent_lengths == (1152, 1152, 1752)
   assert two_level.outer_size == 2 and two_level.inner_size == 4
+  # A quarter of the segment after the inner reduce-scatter, then halves.
+  assert two_level.segments[0].length == 4096
+  assert two_level.blocks[0].width == 2048
 
 
 def test_residuals_have_the_shapes_the_plan_gives():

@@ -381,8 +381,9 @@ def test_state_partition_specs_lay_residuals_along_the_axis():
   # Only "w" is sent compressed: it alone has residuals, shaped like what they hold.
   assert ours.local_error == (P(AXIS),)
   assert [e.shape for e in shapes[0].local_error] == [(64 * 128,)]
-  assert ours.chunk_error == (P(AXIS),)  # One block: every leaf side by side.
-  assert [e.shape for e in shapes[0].chunk_error] == [(1, 64 * 128 // NUM_DEVICES)]
+  assert ours.chunk_error == (P(AXIS),)  # One block: the leaves end to end.
+  # A device owns 1/8 of "w": 2 buckets of 512.
+  assert [e.shape for e in shapes[0].chunk_error] == [(1, 2, 512)]
   assert ours.key == ours.count == P()
   assert all(spec == P() for spec in ours.stats)
   assert all(spec == P() for spec in jax.tree.leaves(

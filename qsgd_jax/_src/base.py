@@ -64,6 +64,19 @@ class Compressor(abc.ABC):
   def decode(self, payload: Payload) -> jax.Array:
     """Reconstructs an array of ``payload.shape`` and ``payload.dtype``."""
 
+  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
+    """How many consecutive elements of an array of ``shape`` share their scales.
+
+    ``encode`` quantizes the array, flattened in row-major order, as runs
+    of this many elements, each run on its own. So arrays zero-padded to
+    whole runs can be laid end to end and cut at run boundaries, and every
+    run is quantized as it would be alone: the collectives batch and split
+    leaves this way. ``None`` (the default) means that one scale spans the
+    whole array, which must then be encoded whole.
+    """
+    del shape
+    return None
+
   def wire_bits(self, shape: tuple[int, ...], dtype=jnp.float32) -> int:
     """Exact bits that ``encode`` of an array of ``shape`` and ``dtype`` occupies.
 

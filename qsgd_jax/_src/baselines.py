@@ -26,6 +26,10 @@ class Identity(base.Compressor):
   unbiased = True
   deterministic = True
 
+  def bucket_length(self, shape: tuple[int, ...]) -> int:
+    del shape
+    return 1  # Every element on its own.
+
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
     del key  # Deterministic.
     x = jnp.asarray(x)
@@ -72,6 +76,10 @@ class Cast(base.Compressor):
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"Cast: dtype must be a floating dtype, got {dtype}.")
     object.__setattr__(self, "dtype", dtype)
+
+  def bucket_length(self, shape: tuple[int, ...]) -> int:
+    del shape
+    return 1  # Every element on its own.
 
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
     del key  # Deterministic.

@@ -54,6 +54,12 @@ class OneBit(base.Compressor):
   def __post_init__(self):
     base.check_bucket_size("OneBit", self.bucket_size)
 
+  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
+    """``bucket_size``, or with ``None`` the length of a row (the last axis)."""
+    if self.bucket_size is None:
+      return shape[-1] if shape else 1
+    return self.bucket_size
+
   def _bucket_len(self, shape: tuple[int, ...]) -> int:
     size = math.prod(shape)
     if self.bucket_size is None:

@@ -1,29 +1,33 @@
 """The reduction plan: every static decision about one quantized reduction of a tree.
 
 A quantized sum of a gradient tree decides a great deal from static shapes
-alone: which leaves travel compressed and which in float32, how many
-elements each device quantizes, how long its piece of each leaf is, how the
-pieces are batched into a few encodes, what each batched payload looks like,
-and in which integer type codes are summed. :func:`make_plan` decides all of
-it once, in one hashable :class:`ReductionPlan`; the reduction executes the
-plan, and everything that accounts for it (the bits on the wire, the shapes of
-the error-feedback residuals, the statistics) reads the same plan, so what is
-sent and what is counted cannot disagree. It plays the part that
-``_factored_dims`` plays in optax's factored optimizer, for ``init`` and
-``update`` alike.
+alone: which leaves travel compressed and which in float32, how the others
+are laid out and padded, how long each device's piece is, how the pieces are
+batched into a few encodes, what each batched payload looks like, and in which
+integer type codes are summed. :func:`make_plan` decides all of it once, in
+one hashable :class:`ReductionPlan`; the reduction executes the plan, and
+everything that accounts for it (the bits on the wire, the shapes of the
+error-feedback residuals, the statistics) reads the same plan, so what is sent
+and what is counted cannot disagree. It plays the part that ``_factored_dims``
+plays in optax's factored optimizer, for ``init`` and ``update`` alike.
 
 With ``n`` devices on the outer axis and ``m`` on the inner ones:
 
 * leaves under ``min_compressed_size`` elements are summed in float32 by one
   fused all-reduce over every axis;
-* each other leaf of ``d`` elements is first reduce-scattered in float32 over
-  the inner axes, leaving each device ``ceil(d / m)`` elements to quantize
-  (``d`` without inner axes): its *sent length*;
-* ``"two_phase"`` cuts that vector into ``n`` *pieces* of whole buckets,
-  ``ceil(ceil(d' / n) / bucket) * bucket`` elements each (zero-padded), and
-  quantizes ``[n, piece]`` a leaf; ``"psum"`` quantizes the vector itself;
-* the arrays are batched into blocks by :mod:`grouping`: with a fixed bucket
-  size, all side by side in one block; otherwise stacked by shape.
+* the others are laid end to end in :class:`Segment` s: leaves whose
+  compressor quantizes runs of ``L`` elements on their own
+  (:meth:`~qsgd_jax.Compressor.bucket_length`: a bucket, or a row) share one
+  segment, each zero-padded to whole runs, so that no run straddles two
+  leaves; a leaf whose scale spans the whole array has a segment of its own;
+* a segment is padded to ``m`` whole runs per inner device and
+  reduce-scattered in float32 over the inner axes (all segments in one
+  collective): what remains, ``length`` elements, is what a device quantizes;
+* ``"two_phase"`` cuts that into ``n`` pieces of whole runs, so padding is paid
+  once a segment (at most ``n`` runs), not once a leaf; ``"psum"`` and
+  ``"all_gather"`` quantize it whole;
+* the quantized arrays are batched into :class:`Block` s, one encode each: a
+  segment of runs alone, whole-array segments of one length stacked.
 """
 
 import dataclasses
@@ -36,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, grouping, serialize, wire
+from qsgd_jax._src import base, serialize, wire
 
-Method = Literal["two_phase", "psum"]
-METHODS = ("two_phase", "psum")
+Method = Literal["two_phase", "psum", "all_gather"]
+METHODS = ("two_phase", "psum", "all_gather")
 
 # Leaves under this many elements go in full precision. Padding a leaf to whole
 # buckets on every device costs up to n * bucket_size elements, and a tiny
@@ -58,7 +62,8 @@ class PlannedCollective(NamedTuple):
     group_size: devices in one group.
     carries: what it moves: ``"float32 leaves"``, ``"inner reduce-scatter"``,
       ``"inner all-gather"``, ``"first phase"`` and ``"second phase"``
-      (packed payloads), ``"shared scales"`` or ``"code sums"``.
+      (the two-phase method's packed payloads), ``"payloads"`` (the
+      all-gather method's), ``"shared scales"`` or ``"code sums"``.
   """
 
   kind: str
@@ -77,6 +82,44 @@ class PlannedCollective(NamedTuple):
     return wire.bytes_sent(self.kind, self.result_bytes, self.group_size)
 
 
+class Segment(NamedTuple):
+  """Compressed leaves laid end to end: what one device quantizes as one vector.
+
+  Attributes:
+    leaves: the leaves' indices in the tree.
+    offsets: each leaf's first element in the segment.
+    run: elements quantized on their own (a bucket or a row), each leaf
+      padded to whole runs; ``None`` for a single leaf with one scale.
+    full_length: elements of the segment on every device before the inner
+      reduce-scatter, padded: ``inner_size * length``.
+    length: elements one device quantizes.
+  """
+
+  leaves: tuple[int, ...]
+  offsets: tuple[int, ...]
+  run: int | None
+  full_length: int
+  length: int
+
+
+class Block(NamedTuple):
+  """Segments encoded together, ``[batch, rows, *element_shape]``, in one batched encode.
+
+  Attributes:
+    segments: the segments' indices, one a batch element.
+    rows: ``n`` for the two-phase method (row ``j`` is piece ``j``), else 1.
+    width: elements of a row, whole runs.
+    element_shape: the shape one row is encoded in: ``(width // run, run)``
+      for a segment of runs (so a compressor that quantizes rows sees them),
+      else ``(width,)``.
+  """
+
+  segments: tuple[int, ...]
+  rows: int
+  width: int
+  element_shape: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class ReductionPlan:
   """What one quantized reduction of a tree sends, decided from static shapes.
@@ -91,7 +134,7 @@ class ReductionPlan:
       (an ``init`` outside the mapped function), and then the decisions that
       depend on it raise a ``ValueError`` saying how to give it.
     compressor: the compressor.
-    method: ``"two_phase"`` or ``"psum"``.
+    method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``.
     min_compressed_size: leaves with fewer elements go in float32.
     owner: the public function this plan serves, named in errors.
   """
@@ -134,44 +177,51 @@ class ReductionPlan:
                  if math.prod(shape) < self.min_compressed_size)
 
   @functools.cached_property
-  def sent_lengths(self) -> tuple[int, ...]:
-    """For each compressed leaf, the elements one device quantizes."""
-    sizes = [math.prod(self.leaf_shapes[i]) for i in self.compressed]
-    if not self.axes.inner:
-      return tuple(sizes)
-    return tuple(-(-size // self.inner_size) for size in sizes)
+  def segments(self) -> tuple[Segment, ...]:
+    """The compressed leaves laid end to end, in tree order of their first leaf."""
+    groups = {}  # Leaves of one run length together; a whole-array leaf alone.
+    for i in self.compressed:
+      run = self.compressor.bucket_length(self.leaf_shapes[i])
+      groups.setdefault(("leaf", i) if run is None else ("run", run), (run, []))[1].append(i)
+    m = self.inner_size
+    segments = []
+    for run, leaves in groups.values():
+      unit = run or 1
+      offsets, end = [], 0
+      for i in leaves:
+        offsets.append(end)
+        end += -(-math.prod(self.leaf_shapes[i]) // unit) * unit
+      length = -(-end // (m * unit)) * unit
+      segments.append(Segment(tuple(leaves), tuple(offsets), run, m * length, length))
+    return tuple(segments)
 
   @functools.cached_property
-  def piece_lengths(self) -> tuple[int, ...]:
-    """Two-phase: for each compressed leaf, one device's piece, in whole buckets."""
-    bucket = grouping.fixed_bucket_size(self.compressor)
-    pieces = []
-    for length in self.sent_lengths:
-      per_device = max(1, -(-length // self.outer_size))
-      pieces.append(per_device if bucket is None else -(-per_device // bucket) * bucket)
-    return tuple(pieces)
-
-  @functools.cached_property
-  def layout(self) -> grouping.Layout:
-    """The blocks of the quantized arrays: ``[n, piece]`` a leaf (two-phase), or the vectors."""
-    if self.method == "two_phase":
-      arrays = [_f32((self.outer_size, piece)) for piece in self.piece_lengths]
-    else:
-      arrays = [_f32((length,)) for length in self.sent_lengths]
-    return grouping.layout(self.compressor, arrays)
+  def blocks(self) -> tuple[Block, ...]:
+    """The batched encodes: a segment of runs alone; whole-array segments stacked by width."""
+    rows = self.outer_size if self.method == "two_phase" else 1
+    blocks = {}
+    for k, segment in enumerate(self.segments):
+      unit = segment.run or 1
+      width = max(1, -(-segment.length // (rows * unit))) * unit
+      if segment.run is None:
+        key, shape = ("whole", width), (width,)
+      else:
+        key, shape = ("runs", k), (width // unit, unit)
+      block = blocks.setdefault(key, Block((), rows, width, shape))
+      blocks[key] = block._replace(segments=(*block.segments, k))
+    return tuple(blocks.values())
 
   @functools.cached_property
   def block_templates(self) -> tuple[base.Payload, ...]:
-    """Two-phase: for each block, the payload of one encoded element (``[width]``)."""
-    return tuple(
-        jax.eval_shape(self.compressor.encode, jax.random.key(0), _f32((width,)))
-        for _, width in self.layout.block_sizes())
+    """For each block, the payload of one encoded element (one row)."""
+    return tuple(jax.eval_shape(self.compressor.encode, jax.random.key(0),
+                                _f32(block.element_shape)) for block in self.blocks)
 
   @functools.cached_property
   def block_words(self) -> tuple[int, ...]:
-    """Two-phase: for each block, ``uint32`` words of its whole batch of payloads."""
-    return tuple(batch * serialize.num_words(template) for (batch, _), template
-                 in zip(self.layout.block_sizes(), self.block_templates, strict=True))
+    """For each block, ``uint32`` words of one row's payloads, the whole batch."""
+    return tuple(len(block.segments) * serialize.num_words(template)
+                 for block, template in zip(self.blocks, self.block_templates, strict=True))
 
   @functools.cached_property
   def sum_dtype(self) -> np.dtype:
@@ -191,37 +241,34 @@ class ReductionPlan:
   def collectives(self) -> tuple[PlannedCollective, ...]:
     """Every collective the reduction issues, in program order."""
     planned = []
+    f32 = np.dtype(np.float32)
     if self.full_precision:
       size = sum(math.prod(self.leaf_shapes[i]) for i in self.full_precision)
-      planned.append(PlannedCollective(
-          "all-reduce", np.dtype(np.float32), (size,), self.num_devices, "float32 leaves"))
+      planned.append(PlannedCollective("all-reduce", f32, (size,), self.num_devices,
+                                       "float32 leaves"))
     if not self.compressed:
       return tuple(planned)
-    inner_elements = sum(self.sent_lengths)
+    inner_elements = sum(segment.length for segment in self.segments)
+    m, n = self.inner_size, self.outer_size
     if self.axes.inner:
-      planned.append(PlannedCollective(
-          "reduce-scatter", np.dtype(np.float32), (inner_elements,), self.inner_size,
-          "inner reduce-scatter"))
-    n = self.outer_size
+      planned.append(PlannedCollective("reduce-scatter", f32, (inner_elements,), m,
+                                       "inner reduce-scatter"))
+    words = np.dtype(np.uint32), (n, sum(self.block_words))
     if self.method == "two_phase":
-      words = (n, sum(self.block_words))
-      planned.append(PlannedCollective(
-          "all-to-all", np.dtype(np.uint32), words, n, "first phase"))
-      planned.append(PlannedCollective(
-          "all-gather", np.dtype(np.uint32), words, n, "second phase"))
+      planned.append(PlannedCollective("all-to-all", *words, n, "first phase"))
+      planned.append(PlannedCollective("all-gather", *words, n, "second phase"))
+    elif self.method == "all_gather":
+      planned.append(PlannedCollective("all-gather", *words, n, "payloads"))
     else:
-      blocks = self.layout.block_sizes()
-      scales = sum(batch * math.prod(jax.eval_shape(self.compressor.local_scales,
-                                                    _f32((width,))).shape)
-                   for batch, width in blocks)
-      codes = sum(batch * width for batch, width in blocks)
-      planned.append(PlannedCollective(
-          "all-reduce", np.dtype(np.float32), (scales,), n, "shared scales"))
+      scales = sum(len(block.segments) * math.prod(jax.eval_shape(
+          self.compressor.local_scales, _f32(block.element_shape)).shape)
+          for block in self.blocks)
+      codes = sum(len(block.segments) * block.width for block in self.blocks)
+      planned.append(PlannedCollective("all-reduce", f32, (scales,), n, "shared scales"))
       planned.append(PlannedCollective("all-reduce", self.sum_dtype, (codes,), n, "code sums"))
     if self.axes.inner:
-      planned.append(PlannedCollective(
-          "all-gather", np.dtype(np.float32), (self.inner_size, inner_elements),
-          self.inner_size, "inner all-gather"))
+      planned.append(PlannedCollective("all-gather", f32, (m, inner_elements), m,
+                                       "inner all-gather"))
     return tuple(planned)
 
   @functools.cached_property
@@ -229,19 +276,61 @@ class ReductionPlan:
     """Bits one device sends, summed over :attr:`collectives`."""
     return 8 * sum(c.bytes_sent for c in self.collectives)
 
+  def segment_vectors(self, leaves: list[jax.Array]) -> list[jax.Array]:
+    """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded)."""
+    vectors = []
+    for segment in self.segments:
+      ends = (*segment.offsets[1:], segment.full_length)
+      vectors.append(jnp.concatenate([
+          jnp.pad(leaves[i].astype(jnp.float32).reshape(-1),
+                  (0, end - offset - math.prod(self.leaf_shapes[i])))
+          for i, offset, end in zip(segment.leaves, segment.offsets, ends, strict=True)]))
+    return vectors
+
+  def segment_leaves(self, vectors: list[jax.Array]) -> dict[int, jax.Array]:
+    """Inverse of :meth:`segment_vectors`: each compressed leaf, float32, by its index."""
+    leaves = {}
+    for segment, vector in zip(self.segments, vectors, strict=True):
+      for i, offset in zip(segment.leaves, segment.offsets, strict=True):
+        shape = self.leaf_shapes[i]
+        leaves[i] = vector[offset : offset + math.prod(shape)].reshape(shape)
+    return leaves
+
+  def join(self, vectors: list[jax.Array]) -> list[jax.Array]:
+    """``[batch, rows, *element_shape]`` a block, from each segment's ``float32[length]``."""
+    blocks = []
+    for block in self.blocks:
+      size = block.rows * block.width
+      blocks.append(jnp.stack([
+          jnp.pad(vectors[k], (0, size - vectors[k].size)).reshape(block.rows,
+                                                                   *block.element_shape)
+          for k in block.segments]))
+    return blocks
+
+  def split(self, blocks: list[jax.Array]) -> list[jax.Array]:
+    """Inverse of :meth:`join`: each segment's ``float32[length]``, padding dropped.
+
+    A block may come as ``[batch, rows, ...]`` or ``[batch, ...]``.
+    """
+    vectors = [None] * len(self.segments)
+    for block, data in zip(self.blocks, blocks, strict=True):
+      for b, k in enumerate(block.segments):
+        vectors[k] = data[b].reshape(-1)[: self.segments[k].length]
+    return vectors
+
   def local_error_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Worker error feedback: one ``float32[sent_length]`` residual a compressed leaf."""
-    return tuple(_f32((length,)) for length in self.sent_lengths)
+    """Worker error feedback: one ``float32[length]`` residual a segment."""
+    return tuple(_f32((segment.length,)) for segment in self.segments)
 
   def owner_error_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Owner error feedback (two-phase): one ``float32[batch, width]`` a block.
+    """Owner error feedback (two-phase): one ``float32[batch, *element_shape]`` a block.
 
     Device ``j`` owns piece ``j`` of every block; its residual is the error of
     re-quantizing the sum of those pieces.
     """
     if self.method != "two_phase":
       raise ValueError(f"{self.owner}: only method='two_phase' has piece owners.")
-    return tuple(_f32(size) for size in self.layout.block_sizes())
+    return tuple(_f32((len(block.segments), *block.element_shape)) for block in self.blocks)
 
   def _known_size(self, i: int) -> int:
     size = self.axis_sizes[i]

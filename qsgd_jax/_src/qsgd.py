@@ -108,6 +108,9 @@ class QSGD(base.SharedScaleCompressor):
     if self.norm not in ("max", "l2"):
       raise ValueError(f"QSGD: norm must be 'max' or 'l2', got {self.norm!r}.")
 
+  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
+    return self.bucket_size
+
   def _bucket_len(self, size: int) -> int:
     return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 

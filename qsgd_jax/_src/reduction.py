@@ -3,12 +3,14 @@
 The steps, each a few lines here, the algorithms in their own modules:
 
 1. the leaves the plan sends in float32 are summed by one fused ``psum``;
-2. the others are flattened to float32 vectors and, with inner axes,
-   reduce-scattered over them in float32 (all leaves in one collective);
+2. the others are laid end to end in the plan's segments (float32, padded)
+   and, with inner axes, reduce-scattered over them in float32 (all segments
+   in one collective);
 3. each device adds its error-feedback residual to what it will quantize;
-4. the outer axis's quantized sum: :mod:`two_phase` or :mod:`shared_scale`;
+4. the outer axis's quantized sum: :mod:`two_phase`, :mod:`shared_scale` or
+   :mod:`all_gather`;
 5. with inner axes, the sums are all-gathered over them in float32;
-6. the vectors are cut back into the leaves' shapes and dtypes.
+6. the segments are cut back into the leaves' shapes and dtypes.
 
 Every device passes the same ``key`` and folds in its index along all the
 axes, so devices draw independently.
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 
 from qsgd_jax._src import axes as axes_lib
 from qsgd_jax._src import base
+from qsgd_jax._src.all_gather import all_gather_sum
 from qsgd_jax._src.plan import ReductionPlan
 from qsgd_jax._src.shared_scale import shared_scale_sum
 from qsgd_jax._src.two_phase import two_phase_sum
@@ -31,22 +34,22 @@ class Reduction(NamedTuple):
 
   Attributes:
     tree: the sum or mean, like the input tree, replicated over the axes.
-    local_error: for each compressed leaf, ``float32[sent_length]``: what this
-      device's quantization dropped of what it sent (``None`` unless asked for).
-    owner_error: for each block, ``float32[batch, width]``: the new residual of
-      the sum this device owns (two-phase, ``None`` unless ``owner_error`` was
-      given).
-    first_phase: two-phase: for each block, the payloads this device sent in
-      the all-to-all, ``[batch, n, ...]``; empty for ``"psum"``.
-    second_phase: two-phase: for each block, every owner's payloads as
-      gathered, ``[n, batch, ...]``; empty for ``"psum"``.
+    local_error: for each segment, ``float32[length]``: what this device's
+      quantization dropped of what it sent (``None`` unless asked for).
+    owner_error: for each block, ``float32[batch, *element_shape]``: the new
+      residual of the sum this device owns (two-phase, ``None`` unless
+      ``owner_error`` was given).
+    payloads: the payloads of each collective that carries them, by its
+      :attr:`~qsgd_jax._src.plan.PlannedCollective.carries`: for each block,
+      ``[batch, n, ...]`` this device sent in the two-phase all-to-all
+      (``"first phase"``), ``[n, batch, ...]`` as gathered (``"second
+      phase"``, ``"payloads"``); empty for ``"psum"``.
   """
 
   tree: object
   local_error: tuple[jax.Array, ...] | None
   owner_error: tuple[jax.Array, ...] | None
-  first_phase: tuple[base.Payload, ...]
-  second_phase: tuple[base.Payload, ...]
+  payloads: dict[str, tuple[base.Payload, ...]]
 
 
 def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
@@ -62,10 +65,10 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
     tree: a pytree of float arrays, this device's values.
     key: a PRNG key, the same on every device.
     mean: divide by the number of devices (before the second quantization).
-    local_error: for each compressed leaf, ``float32[sent_length]``, added to
-      what this device quantizes (the residual of 1-bit SGD).
-    owner_error: for each block, ``float32[batch, width]``, added to the sum
-      this device owns before it is re-quantized (two-phase only).
+    local_error: for each segment, ``float32[length]``, added to what this
+      device quantizes (the residual of 1-bit SGD).
+    owner_error: for each block, ``float32[batch, *element_shape]``, added to
+      the sum this device owns before it is re-quantized (two-phase only).
     want_local_error: return :attr:`Reduction.local_error` (implied by
       ``local_error``).
 
@@ -78,12 +81,12 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   base.check_float_leaves(tree, plan.owner)
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
-  axes, n_inner = plan.axes, plan.inner_size
+  axes = plan.axes
   divisor = plan.num_devices if mean else 1
   out = list(leaves)
   want_local_error = want_local_error or local_error is not None
   sent_error = new_owner_error = None
-  first_phase = second_phase = ()
+  payloads = {}
 
   if plan.full_precision:
     summed = _psum_flat([leaves[i] for i in plan.full_precision], axes.name)
@@ -91,9 +94,9 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
       out[i] = value / divisor if mean else value
 
   if plan.compressed:
-    vectors = [leaves[i].astype(jnp.float32).reshape(-1) for i in plan.compressed]
+    vectors = plan.segment_vectors(leaves)
     if axes.inner:
-      vectors = _reduce_scatter(vectors, plan.sent_lengths, axes.inner, n_inner)
+      vectors = _reduce_scatter(vectors, plan.inner_size, axes.inner)
     if local_error is not None:
       vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
     key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axes.names))
@@ -102,22 +105,27 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
                                 want_sent_error=want_local_error)
       results, sent_error, new_owner_error = (
           two_phase.results, two_phase.sent_error, two_phase.owner_error)
-      first_phase, second_phase = tuple(two_phase.first_phase), tuple(two_phase.second_phase)
+      payloads = {"first phase": tuple(two_phase.first_phase),
+                  "second phase": tuple(two_phase.second_phase)}
+    elif plan.method == "all_gather":
+      gathered = all_gather_sum(plan, vectors, key, divisor=divisor,
+                                want_sent_error=want_local_error)
+      results, sent_error = gathered.results, gathered.sent_error
+      payloads = {"payloads": tuple(gathered.payloads)}
     else:
       results, sent_error = shared_scale_sum(plan, vectors, key, divisor=divisor,
                                              want_sent_error=want_local_error)
     if axes.inner:
       results = _all_gather_flat(results, axes.inner)
-    for j, i in enumerate(plan.compressed):
-      out[i] = results[j][: leaves[i].size].reshape(leaves[i].shape)
+    for i, value in plan.segment_leaves(results).items():
+      out[i] = value
 
   out = [value.astype(leaf.dtype) for value, leaf in zip(out, leaves, strict=True)]
   return Reduction(
       tree=jax.tree.unflatten(treedef, out),
       local_error=tuple(sent_error or ()) if want_local_error else None,
       owner_error=None if new_owner_error is None else tuple(new_owner_error),
-      first_phase=first_phase,
-      second_phase=second_phase,
+      payloads=payloads,
   )
 
 
@@ -132,25 +140,22 @@ def _psum_flat(leaves: list[jax.Array], axis_name) -> list[jax.Array]:
   return out
 
 
-def _reduce_scatter(vectors: list[jax.Array], lengths: tuple[int, ...], axes: tuple[str, ...],
-                    n: int) -> list[jax.Array]:
-  """Full-precision reduce-scatter over the inner axes, all leaves at once.
+def _reduce_scatter(vectors: list[jax.Array], n: int, axes: tuple[str, ...]) -> list[jax.Array]:
+  """Full-precision reduce-scatter over the inner axes, every segment at once.
 
   Device ``k`` of the inner axes gets elements ``[k * length, (k + 1) * length)``
-  of each vector, summed over the inner axes (the last chunk zero-padded).
+  of each segment (of ``n * length``), summed over the inner axes.
   """
-  rows = jnp.concatenate(
-      [jnp.pad(v, (0, n * length - v.size)).reshape(n, length)
-       for v, length in zip(vectors, lengths, strict=True)],
-      axis=1,
-  )
+  lengths = [v.size // n for v in vectors]
+  rows = jnp.concatenate([v.reshape(n, length) for v, length in zip(vectors, lengths,
+                                                                      strict=True)], axis=1)
   mine = jax.lax.psum_scatter(axes_lib.as_varying(rows, axes), axes, scatter_dimension=0,
                               tiled=False)
   return _split(mine, lengths)
 
 
 def _all_gather_flat(chunks: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
-  """Inverse of :func:`_reduce_scatter`: every device gets every vector (padded)."""
+  """Inverse of :func:`_reduce_scatter`: every device gets every segment whole."""
   lengths = [c.size for c in chunks]
   gathered = jax.lax.all_gather(
       axes_lib.as_varying(jnp.concatenate(chunks), axes), axes, tiled=False, to="invarying")

@@ -24,17 +24,17 @@ def shared_scale_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Arr
 
   Args:
     plan: the reduction's plan, ``method="psum"``.
-    vectors: for each compressed leaf, ``float32[sent_length]``.
+    vectors: for each segment, ``float32[length]``.
     key: this device's PRNG key (already folded with its axis index).
     divisor: the decoded sum is divided by it.
     want_sent_error: also return what this device's quantization dropped.
 
   Returns:
-    ``(results, sent_error)``: for each compressed leaf, ``float32[sent_length]``
-    each; ``sent_error`` is ``None`` unless asked for.
+    ``(results, sent_error)``: for each segment, ``float32[length]`` each;
+    ``sent_error`` is ``None`` unless asked for.
   """
   compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
-  blocks = plan.layout.join(vectors)  # [batch, width]
+  blocks = [b[:, 0] for b in plan.join(vectors)]  # [batch, *element_shape]
   signs = jnp.array([1.0 if how == "max" else -1.0 for how in compressor.scale_reductions])
   # One pmax for every block's scales, a "min" column negated (exactly). XLA:CPU's
   # max all-reduce skips NaN, so a NaN scale goes as +inf and stays non-finite.
@@ -58,10 +58,7 @@ def shared_scale_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Arr
   if want_sent_error:
     sent = [b - decoded(1, b, c, s) for b, c, s in zip(blocks, codes, shared, strict=True)]
 
-  def unpadded(blocks):
-    return [b[: v.size] for b, v in zip(plan.layout.split(blocks), vectors, strict=True)]
-
-  return unpadded(summed), (unpadded(sent) if want_sent_error else None)
+  return plan.split(summed), (plan.split(sent) if want_sent_error else None)
 
 
 def _flat(arrays: list[jax.Array], dtype) -> jax.Array:

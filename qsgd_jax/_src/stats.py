@@ -72,26 +72,26 @@ def elias_wire_bits(plan: ReductionPlan, sent: Reduction) -> jax.Array:
   """Bits this device sent in ``plan``, were every payload Elias-coded.
 
   Each collective that carries QSGD payloads (the two-phase all-to-all and
-  all-gather) counts ``bytes_sent`` scaled by the Elias size of the payloads
-  it carried over their fixed-width size: this device's pieces for the
-  all-to-all, every owner's sums for the all-gather. Every other collective
-  (float32 leaves, inner axes) counts as it is.
+  all-gather, the all-gather method's all-gather) counts ``bytes_sent``
+  scaled by the Elias size of the payloads it carried over their
+  fixed-width size: this device's pieces for the all-to-all, every device's
+  payloads for an all-gather. Every other collective (float32 leaves, inner
+  axes) counts as it is.
 
   Args:
-    plan: a two-phase plan for a :class:`~qsgd_jax.QSGD` compressor.
+    plan: a plan for a :class:`~qsgd_jax.QSGD` compressor.
     sent: what :func:`~qsgd_jax._src.reduction.reduce` returned for it.
 
   Returns:
     A float32 scalar, this device's own estimate.
   """
-  payloads = {"first phase": sent.first_phase, "second phase": sent.second_phase}
   elias_bits = jax.vmap(jax.vmap(plan.compressor.elias_bits))
   total = jnp.float32(0)
   for collective in plan.collectives:
     bits = 8 * collective.bytes_sent
-    if collective.carries in payloads:
+    if collective.carries in sent.payloads:
       coded = sum(jnp.sum(elias_bits(p).smaller.astype(jnp.float32))
-                  for p in payloads[collective.carries])
+                  for p in sent.payloads[collective.carries])
       bits = bits * coded / (8 * collective.result_bytes)
     total += bits
   return total

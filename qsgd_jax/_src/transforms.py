@@ -106,15 +106,16 @@ def compressed_allreduce(
     error_feedback: ``False``, ``True``/``"worker"``, ``"owner"`` or ``"both"``.
     warmup_steps: the first steps all-reduce in full precision (as CNTK,
       DeepSpeed's 1-bit Adam and Bagua's QAdam do).
-    method: ``"two_phase"`` or ``"psum"``, see :func:`~qsgd_jax.quantized_psum`.
+    method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``, see
+      :func:`~qsgd_jax.quantized_psum`.
     min_compressed_size: leaves with fewer elements go in full precision.
     axis_size: the size of ``axis_name`` (an int, or a dict for several
       axes). Only the residuals' shapes need it (owner error feedback, and
       worker error feedback over several axes), and only when ``init`` runs
       outside the mapped function, where the size cannot be read.
-    track_elias: for QSGD with ``method="two_phase"``, compute
-      :attr:`CompressionStats.elias_bits` every step from the payloads the
-      step sent (one extra pass over them).
+    track_elias: for QSGD with a method that sends payloads (``"two_phase"``,
+      ``"all_gather"``), compute :attr:`CompressionStats.elias_bits` every
+      step from the payloads the step sent (one extra pass over them).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` ignores
@@ -148,9 +149,10 @@ def compressed_allreduce(
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
   worker_feedback = error_feedback in (True, "worker", "both")
   owner_feedback = error_feedback in ("owner", "both")
-  if owner_feedback and method == "psum":
-    raise ValueError("owner error feedback needs method='two_phase': 'psum' has no owners.")
-  track_elias = track_elias and isinstance(compressor, QSGD) and method == "two_phase"
+  if owner_feedback and method != "two_phase":
+    raise ValueError(
+        f"owner error feedback needs method='two_phase': {method!r} has no piece owners.")
+  track_elias = track_elias and isinstance(compressor, QSGD) and method != "psum"
 
   def make_plan(tree, axis_sizes=None):
     return plan.make_plan(tree, axis_name, compressor, method=method,

@@ -1,0 +1,51 @@
+"""The steps the quantized sums share: payload blocks to ``uint32`` rows and back, row sums.
+
+A block's payloads travel as words: :func:`device_rows` lays out what a
+device sends (row ``j`` for device ``j``), :func:`payload_rows` reads ``n``
+devices' rows of every block's words back into payloads, and :func:`sum_rows`
+adds decoded rows in a fixed order, the same on every device.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from qsgd_jax._src import base, serialize
+from qsgd_jax._src.plan import ReductionPlan
+
+
+def device_rows(payload: base.Payload, n: int) -> jax.Array:
+  """``uint32[n, batch * words]``: row ``j`` holds piece ``j`` of every element of the block."""
+  words = jax.vmap(jax.vmap(serialize.to_words))(payload)  # [batch, n, words]
+  return jnp.swapaxes(words, 0, 1).reshape(n, -1)
+
+
+def payload_rows(plan: ReductionPlan, words: jax.Array) -> list[base.Payload]:
+  """Each block's payloads, ``[n, batch, ...]``, from ``n`` rows of every block's words."""
+  out, start = [], 0
+  for template, width, block in zip(plan.block_templates, plan.block_words, plan.blocks,
+                                    strict=True):
+    part = words[:, start : start + width].reshape(words.shape[0], len(block.segments), -1)
+    out.append(jax.vmap(jax.vmap(lambda w, t=template: serialize.from_words(w, t)))(part))
+    start += width
+  return out
+
+
+def decode_rows(plan: ReductionPlan, words: jax.Array) -> list[jax.Array]:
+  """``float32[n, batch, ...]`` a block: the pieces received from each device."""
+  return [jax.vmap(jax.vmap(plan.compressor.decode))(p) for p in payload_rows(plan, words)]
+
+
+def sum_rows(rows: jax.Array) -> jax.Array:
+  """``rows.sum(axis=0)`` by pairwise halving: elementwise adds that XLA fuses into one pass.
+
+  XLA:CPU (JAX 0.10) hands a reduction over the leading axis of a large array
+  to a library kernel that ran several times slower than the adds next to the
+  other devices' threads: the 1-bit two-phase mean of a quarter-width
+  ResNet-50 on 8 simulated devices took 105 ms with ``jnp.sum``, 20 ms
+  with this.
+  """
+  while rows.shape[0] > 1:
+    half = rows.shape[0] // 2
+    summed = rows[:half] + rows[half : 2 * half]
+    rows = jnp.concatenate([summed, rows[2 * half :]]) if rows.shape[0] % 2 else summed
+  return rows[0]
