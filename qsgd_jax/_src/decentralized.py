@@ -312,8 +312,8 @@ def _ring_and_local_axes(axis_name) -> tuple[Any, tuple]:
     return axis_name, ()
   if not axis_name:
     raise ValueError(
-        "low_precision_decentralized: axis_name is an empty tuple; pass an axis name, or "
-        "(ring, *local) for the hierarchical mode."
+        "low_precision_decentralized: axis_name must name at least one axis, got "
+        f"{axis_name!r}; pass an axis name, or (ring, *local) for the hierarchical mode."
     )
   return axis_name[0], tuple(axis_name[1:])
 
