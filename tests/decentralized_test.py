@@ -27,6 +27,7 @@ from qsgd_jax._src import decentralized
 
 AXIS = "workers"
 NUM_WORKERS = 8
+_NODE, _LOCAL = "node", "local"  # The hierarchical mode's ring and local axes.
 
 
 def _stacked(tree, n):
@@ -183,8 +184,8 @@ def test_stats_count_the_bytes_the_hlo_sends(num_workers):
 
 @pytest.mark.parametrize("num_nodes", [4, 2])
 def test_hierarchical_stats_count_the_bytes_the_hlo_sends(num_nodes):
-  # Inside a node: the pmean of the steps (b in bfloat16, w in float32) and
-  # the all-gathers of the received pieces; between nodes: the pieces.
+  # Inside a node: the float32 pmean of the steps and the all-gathers of the
+  # received pieces; between nodes: the pieces.
   mesh = jax.make_mesh((num_nodes, 2), (_NODE, _LOCAL), devices=jax.devices()[: 2 * num_nodes],
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   optimizer = low_precision_decentralized(optax.sgd(0.1), (_NODE, _LOCAL), key=3)
@@ -242,7 +243,6 @@ def test_workers_draw_their_own_rounding():
 
 _LEARNING_RATE = 0.1
 _BAGUA_STEPS = 3
-_NODE, _LOCAL = "node", "local"
 
 
 def _as_params(flat):
