@@ -73,8 +73,8 @@ VARIANTS = {
     "qsgd4/psum": (qsgd_jax.QSGD(bits=4), "psum"),
     "qsgd8/two_phase": (qsgd_jax.QSGD(bits=8), "two_phase"),
     "qsgd8/psum": (qsgd_jax.QSGD(bits=8), "psum"),
-    "minmax8/two_phase": (qsgd_jax.MinMax(bits=8), "two_phase"),
-    "minmax8/psum": (qsgd_jax.MinMax(bits=8), "psum"),
+    "minmax8/two_phase": (qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase"),
+    "minmax8/psum": (qsgd_jax.MinMax(bits=8, bucket_size=None), "psum"),
     "onebit/two_phase": (qsgd_jax.OneBit(), "two_phase"),
 }
 

@@ -36,7 +36,7 @@ def _methods():
       for bucket in (128, 512, 4096, None):
         name = f"qsgd{bits}-{norm}-b{bucket or 'all'}"
         methods[name] = qsgd_jax.QSGD(bits=bits, norm=norm, bucket_size=bucket)
-  methods["minmax8-ball"] = qsgd_jax.MinMax(bits=8)
+  methods["minmax8-ball"] = qsgd_jax.MinMax(bits=8, bucket_size=None)
   methods["minmax8-b512"] = qsgd_jax.MinMax(bits=8, bucket_size=512)
   methods["minmax4-b512"] = qsgd_jax.MinMax(bits=4, bucket_size=512)
   methods["onebit-b512"] = qsgd_jax.OneBit(bucket_size=512)

@@ -1,11 +1,11 @@
 """qsgd_jax: quantized gradient communication for JAX.
 
-Compressors (:class:`QSGD`, :class:`MinMax`, :class:`OneBit`, :class:`Cast`,
-:class:`Identity`), the Elias omega codec (:mod:`qsgd_jax.elias`), quantized
-collectives (:func:`quantized_psum`, :func:`quantized_pmean`, :func:`wire_bytes`)
-and optax transformations (:func:`qsgd`, :func:`onebit_sgd`,
-:func:`compressed_allreduce`, :func:`low_precision_decentralized`,
-:func:`accumulate_gradients`).
+Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
+:class:`OneBit`, :class:`Cast`, :class:`Identity`), the Elias omega codec
+(:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
+:func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
+(:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
+:func:`low_precision_decentralized`, :func:`accumulate_gradients`).
 """
 
 from qsgd_jax import elias
@@ -32,6 +32,7 @@ from qsgd_jax._src.transforms import (
     qsgd,
 )
 from qsgd_jax._src.wire import Collective, collectives_in_hlo, wire_bytes
+from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = (
     "Identity",
     "LowPrecisionDecentralizedState",
     "MinMax",
+    "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
     "QSGD",

@@ -521,7 +521,7 @@ def test_bucketed_pieces_of_every_leaf_are_encoded_as_one_vector():
 
 
 def test_bucket_size_none_sends_one_bucket_a_leaf_piece():
-  compressor = qsgd_jax.MinMax(bits=8)
+  compressor = qsgd_jax.MinMax(bits=8, bucket_size=None)
   _check_two_phase_collectives(
       compressor, _lowered(compressor, "two_phase").as_text(dialect="hlo"))
 

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import references
 
 import qsgd_jax
-from qsgd_jax._src import baselines, minmax, onebit, qsgd
+from qsgd_jax._src import baselines, minmax, onebit, packing, qsgd, zero_aligned_minmax
 
 NUM_KEYS = 4096
 KEYS = jax.random.split(jax.random.key(0), NUM_KEYS)
@@ -69,7 +70,7 @@ UNBIASED = {
     "qsgd8_max_whole": qsgd_jax.QSGD(bits=8, bucket_size=None),
     "qsgd4_l2_whole": qsgd_jax.QSGD(bits=4, bucket_size=None, norm="l2"),
     "qsgd3levels_l2_bucket100": qsgd_jax.QSGD(levels=3, bucket_size=100, norm="l2"),
-    "minmax8_whole": qsgd_jax.MinMax(bits=8),
+    "minmax8_whole": qsgd_jax.MinMax(bits=8, bucket_size=None),
     "minmax1_bucket64": qsgd_jax.MinMax(bits=1, bucket_size=64),
     "minmax3_bucket7": qsgd_jax.MinMax(bits=3, bucket_size=7),
 }
@@ -161,7 +162,7 @@ def test_minmax_constant_buckets_decode_exactly():
   # 450 elements in buckets of 100: the last one is short; every one constant.
   x = np.repeat(np.array([3.0, -1.5, 0.0, 1e-3, 7.25], np.float32), [100, 100, 100, 100, 50])
   constant = np.full_like(x, -2.75)
-  bucketed, whole = qsgd_jax.MinMax(2, bucket_size=100), qsgd_jax.MinMax(8)
+  bucketed, whole = qsgd_jax.MinMax(2, bucket_size=100), qsgd_jax.MinMax(8, bucket_size=None)
 
   @jax.jit
   def round_trips(key):
@@ -236,13 +237,81 @@ def test_onebit_reconstructs_bucket_means_and_keeps_sums(name):
     np.testing.assert_allclose(decoded[16:32], flat[16:32].mean(), rtol=1e-6)
 
 
+def _bagua_cases() -> dict[str, tuple[int | None, np.ndarray]]:
+  """Vectors for Bagua's quantizer: ``(bucket_size, x)``."""
+  rng = np.random.default_rng(12)
+  spread = (rng.standard_normal(1030) * rng.uniform(0.01, 10.0, 1030)).astype(np.float32)
+  spread[200:300] = 0.0  # A zero bucket.
+  spread[300:400] = np.abs(spread[300:400]) + 5.0  # Positive, away from zero.
+  spread[400:500] = -np.abs(spread[400:500])  # Negative.
+  return {
+      "buckets_of_100": (100, spread),  # The last bucket is 30 long.
+      "whole": (None, _gaussian((777,), seed=13) * np.float32(1e-3)),
+  }
+
+
+@pytest.mark.parametrize("name", ["buckets_of_100", "whole"])
+def test_nearest_zero_aligned_is_baguas_kernel_bit_for_bit(name):
+  bucket_size, x = _bagua_cases()[name]
+  compressor = qsgd_jax.NearestZeroAlignedMinMax(bucket_size=bucket_size)
+  assert compressor.deterministic and not compressor.unbiased
+  payload = jax.jit(compressor.encode)(KEYS[0], x)
+  codes = np.asarray(packing.unpack(payload.packed, x.size, 8))
+  decoded = np.asarray(jax.jit(compressor.decode)(payload))
+  scales = np.asarray(payload.scales)
+  bucket_len = bucket_size or x.size
+  for index, start in enumerate(range(0, x.size, bucket_len)):
+    bucket = slice(start, start + bucket_len)
+    expected_codes, minimum, maximum = references.bagua_compress(x[bucket])
+    np.testing.assert_array_equal(codes[bucket], expected_codes)
+    np.testing.assert_array_equal(scales[index], [minimum, maximum])
+    expected = references.bagua_decompress(expected_codes, minimum, maximum)
+    np.testing.assert_array_equal(decoded[bucket].view(np.uint32), expected.view(np.uint32))
+
+
+def test_nearest_zero_aligned_keeps_zeros_and_errs_half_a_step():
+  bucket_size, x = _bagua_cases()["buckets_of_100"]
+  x = x.copy()
+  x[::7] = 0.0  # Zeros inside buckets whose range is not zero.
+  compressor = qsgd_jax.NearestZeroAlignedMinMax(bucket_size=bucket_size)
+  decoded = np.asarray(jax.jit(lambda v: compressor.decode(compressor.encode(KEYS[0], v)))(x))
+  np.testing.assert_array_equal(decoded[::7], 0.0)
+  low = np.minimum.reduceat(x, np.arange(0, x.size, bucket_size)).astype(np.float64)
+  high = np.maximum.reduceat(x, np.arange(0, x.size, bucket_size)).astype(np.float64)
+  step = np.repeat((high - low + 1e-7) / 255, bucket_size)[: x.size]
+  error = np.abs(decoded.astype(np.float64) - x)
+  np.testing.assert_array_less(error, step * (0.5 + 1e-4))
+
+
+def test_nearest_rounding_has_half_the_mean_squared_error_of_stochastic():
+  # The same data and buckets of 512: rounding to nearest errs by a uniform
+  # fraction of a step (mean square 1/12), stochastic rounding by p(1 - p) on
+  # average (1/6). So half the mean squared error, 1/sqrt(2) of the RMS error.
+  x = _gaussian((64, 4096), seed=14)
+  nearest = qsgd_jax.NearestZeroAlignedMinMax(bucket_size=512)
+  stochastic = qsgd_jax.MinMax(bits=8, bucket_size=512)
+
+  @jax.jit
+  def squared_errors(keys, x):
+    def one(compressor, key, row):
+      return jnp.mean(jnp.square(compressor.decode(compressor.encode(key, row)) - row))
+
+    return (jax.vmap(functools.partial(one, nearest))(keys, x),
+            jax.vmap(functools.partial(one, stochastic))(keys, x))
+
+  nearest_mse, stochastic_mse = (float(np.mean(e)) for e in squared_errors(KEYS[:64], x))
+  assert 0.47 < nearest_mse / stochastic_mse < 0.53, nearest_mse / stochastic_mse
+
+
 # Every compressor, in settings that take different code paths (bit widths
 # that divide 32 or not, buckets that divide the size or not, L2 norm, rows).
 COMPRESSORS = {
     "qsgd4_bucket512": qsgd_jax.QSGD(bits=4, bucket_size=512),
     "qsgd3levels_l2_bucket100": qsgd_jax.QSGD(levels=3, bucket_size=100, norm="l2"),
-    "minmax8_whole": qsgd_jax.MinMax(bits=8),
+    "minmax8_bucket512": qsgd_jax.MinMax(bits=8),
     "minmax5_bucket100": qsgd_jax.MinMax(bits=5, bucket_size=100),
+    "nearest8_whole": qsgd_jax.NearestZeroAlignedMinMax(),
+    "nearest3_bucket100": qsgd_jax.NearestZeroAlignedMinMax(bits=3, bucket_size=100),
     "onebit_bucket512": qsgd_jax.OneBit(bucket_size=512),
     "onebit_rows": qsgd_jax.OneBit(bucket_size=None),
     "cast_bfloat16": qsgd_jax.Cast(jnp.bfloat16),
@@ -359,7 +428,9 @@ def test_bits_a_coordinate():
   assert qsgd_jax.Identity().wire_bits(shape) == 32 * shape[0]
   assert qsgd_jax.Cast(jnp.bfloat16).wire_bits(shape) == 16 * shape[0]
   assert qsgd_jax.QSGD(bits=4, bucket_size=512).wire_bits(shape) == shape[0] * (4 + 32 / 512)
-  assert qsgd_jax.MinMax(bits=8).wire_bits(shape) == 8 * shape[0] + 64
+  assert qsgd_jax.MinMax(bits=8, bucket_size=None).wire_bits(shape) == 8 * shape[0] + 64
+  assert qsgd_jax.MinMax(bits=8).wire_bits(shape) == shape[0] * (8 + 64 / 512)
+  assert qsgd_jax.NearestZeroAlignedMinMax().wire_bits(shape) == 8 * shape[0] + 64
   assert qsgd_jax.OneBit(bucket_size=512).wire_bits(shape) == shape[0] * (1 + 64 / 512)
 
 
@@ -382,6 +453,9 @@ def test_bits_a_coordinate():
         (lambda: qsgd_jax.MinMax(bits=0), "bits"),
         (lambda: qsgd_jax.MinMax(bits=17), "bits"),
         (lambda: qsgd_jax.MinMax(bucket_size=0), "bucket_size"),
+        (lambda: qsgd_jax.NearestZeroAlignedMinMax(bits=0), "bits"),
+        (lambda: qsgd_jax.NearestZeroAlignedMinMax(bits=8.0), "bits"),
+        (lambda: qsgd_jax.NearestZeroAlignedMinMax(bucket_size=-1), "bucket_size"),
         (lambda: qsgd_jax.OneBit(bucket_size=0), "bucket_size"),
         (lambda: qsgd_jax.OneBit(bucket_size=2.5), "bucket_size"),
         (lambda: qsgd_jax.Cast(jnp.int32), "dtype"),
@@ -429,7 +503,7 @@ def test_jit_with_static_compressor_vmap_and_no_recompiling(name):
     chex.assert_trees_all_close(round_trip(compressor, KEYS[5], xs[0]), first)
 
 
-@pytest.mark.parametrize("module", [qsgd, minmax, onebit, baselines])
+@pytest.mark.parametrize("module", [qsgd, minmax, zero_aligned_minmax, onebit, baselines])
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

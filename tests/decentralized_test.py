@@ -1,5 +1,6 @@
 """Tests of low-precision decentralized SGD on a ring (DCD-PSGD)."""
 
+import doctest
 import functools
 import math
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import references
 from helpers import backend_compiles
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,9 +23,11 @@ from qsgd_jax import (
   consensus_distance,
   low_precision_decentralized,
 )
+from qsgd_jax._src import decentralized
 
 AXIS = "workers"
 NUM_WORKERS = 8
+_NODE, _LOCAL = "node", "local"  # The hierarchical mode's ring and local axes.
 
 
 def _stacked(tree, n):
@@ -138,15 +142,19 @@ def _pmapped_training(optimizer, num_workers):
 
 
 @pytest.mark.parametrize(
-    "compressor",
-    # MinMax: one bucket a leaf, each leaf encoded alone. QSGD in buckets of 4:
-    # the leaves (15 and 5 elements, one bf16) side by side in one encode.
-    [qsgd_jax.MinMax(bits=8), qsgd_jax.QSGD(bits=4, bucket_size=4)],
-    ids=["minmax8_each_leaf", "qsgd4_leaves_side_by_side"],
+    "compressor, bucket_bytes",
+    # The leaves are b (5 bfloat16, 10 bytes) and w (15 float32). Bagua's
+    # quantizer: both in one bucket, one range. MinMax: each leaf a bucket of
+    # its own. QSGD in buckets of 4: the second one holds b's last element
+    # and w's first three.
+    [(qsgd_jax.NearestZeroAlignedMinMax(), None), (qsgd_jax.MinMax(bits=8), 1),
+     (qsgd_jax.QSGD(bits=4, bucket_size=4), None)],
+    ids=["nearest8_one_bucket", "minmax8_each_leaf", "qsgd4_buckets_across_leaves"],
 )
 @pytest.mark.parametrize("num_workers", [NUM_WORKERS, 2])
-def test_replicas_equal_peers_bit_for_bit(num_workers, compressor):
-  optimizer = low_precision_decentralized(optax.adam(0.05), AXIS, compressor=compressor, key=11)
+def test_replicas_equal_peers_bit_for_bit(num_workers, compressor, bucket_bytes):
+  optimizer = low_precision_decentralized(
+      optax.adam(0.05), AXIS, compressor=compressor, bucket_bytes=bucket_bytes, key=11)
   init, step = _pmapped_training(optimizer, num_workers)
   params, inputs, labels = _two_leaf_problem(num_workers)
   params, state = jax.block_until_ready(init(params))
@@ -174,6 +182,35 @@ def test_stats_count_the_bytes_the_hlo_sends(num_workers):
   assert stats.compression_ratio == pytest.approx(stats.float32_bits / stats.wire_bits)
 
 
+@pytest.mark.parametrize("num_nodes", [4, 2])
+def test_hierarchical_stats_count_the_bytes_the_hlo_sends(num_nodes):
+  # Inside a node: the float32 pmean of the steps and the all-gathers of the
+  # received pieces; between nodes: the pieces.
+  mesh = jax.make_mesh((num_nodes, 2), (_NODE, _LOCAL), devices=jax.devices()[: 2 * num_nodes],
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  optimizer = low_precision_decentralized(optax.sgd(0.1), (_NODE, _LOCAL), key=3)
+
+  def step(params, inputs, labels):
+    params, inputs, labels = jax.tree.map(lambda x: x[0, 0], (params, inputs, labels))
+    grads = jax.grad(_loss)(params, inputs, labels)
+    updates, state = optimizer.update(grads, optimizer.init(params), params)
+    return jax.tree.map(lambda x: x[None, None], (updates, state))
+
+  params, inputs, labels = _two_leaf_problem(2 * num_nodes)
+  params, inputs, labels = jax.tree.map(
+      lambda x: x.reshape(num_nodes, 2, *x.shape[1:]), (params, inputs, labels))
+  sharding = NamedSharding(mesh, P(_NODE, _LOCAL))
+  arguments = jax.device_put((params, inputs, labels), sharding)
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(_NODE, _LOCAL),
+                               out_specs=P(_NODE, _LOCAL)))
+  hlo = step.lower(*arguments).compile().as_text()
+  _, state = step(*arguments)
+  stats = jax.tree.map(lambda x: np.asarray(x)[0, 0], qsgd_jax.compression_stats(state))
+  assert stats.wire_bits == 8 * qsgd_jax.wire_bytes(hlo)
+  kinds = {c.kind for c in qsgd_jax.collectives_in_hlo(hlo)}
+  assert kinds == {"all-reduce", "all-gather", "collective-permute"}
+
+
 def test_second_step_does_not_recompile():
   optimizer = low_precision_decentralized(optax.sgd(0.1), AXIS)
   init, step = _pmapped_training(optimizer, NUM_WORKERS)
@@ -187,8 +224,9 @@ def test_second_step_does_not_recompile():
 
 
 def test_workers_draw_their_own_rounding():
-  # Same params and gradient everywhere: the workers' quantized steps differ only by rounding.
-  optimizer = low_precision_decentralized(optax.sgd(1.0), AXIS)
+  # Same params and gradient everywhere: the workers' quantized steps differ
+  # only by the stochastic rounding of MinMax (the default rounds to nearest).
+  optimizer = low_precision_decentralized(optax.sgd(1.0), AXIS, compressor=qsgd_jax.MinMax())
 
   @functools.partial(jax.pmap, axis_name=AXIS)
   def first_update(params, grads):
@@ -199,6 +237,123 @@ def test_workers_draw_their_own_rounding():
   updates = np.asarray(jax.block_until_ready(first_update(params, grads)))
   for i in range(1, NUM_WORKERS):
     assert np.mean(updates[i] != updates[0]) > 0.25  # 1/3 expected.
+
+
+# Bagua's step, against the numpy reference of tests/references.py.
+
+_LEARNING_RATE = 0.1
+_BAGUA_STEPS = 3
+
+
+def _as_params(flat):
+  """The two-leaf tree of one worker's flat bucket: ``b`` (5) then ``w`` (3, 5), tree order."""
+  return {"b": flat[:5], "w": flat[5:].reshape(3, 5)}
+
+
+def _as_flat(params):
+  return jnp.concatenate([params["b"], params["w"].reshape(15)])
+
+
+def _bagua_step_fn(num_nodes, num_local, runner, bucket_bytes):
+  """One jitted step of every worker: ``(models, lefts, rights, grads)`` to the same.
+
+  Inputs are flat ``[nodes, (local,) 20]`` buckets; the devices of a node
+  hold its model and replicas.
+  """
+  axis = AXIS if num_local is None else (_NODE, _LOCAL)
+  optimizer = low_precision_decentralized(optax.sgd(_LEARNING_RATE), axis,
+                                          bucket_bytes=bucket_bytes)
+
+  def step(model, left, right, grads):
+    params = _as_params(model)
+    state = optimizer.init(params)._replace(
+        left_replica=_as_params(left), right_replica=_as_params(right))
+    updates, state = optimizer.update(_as_params(grads), state, params)
+    return (_as_flat(optax.apply_updates(params, updates)),
+            _as_flat(state.left_replica), _as_flat(state.right_replica))
+
+  if runner == "vmap":
+    if num_local is None:
+      return jax.jit(jax.vmap(step, axis_name=AXIS))
+    return jax.jit(jax.vmap(jax.vmap(step, axis_name=_LOCAL), axis_name=_NODE))
+  if runner == "pmap":
+    return jax.pmap(step, AXIS, devices=jax.devices()[:num_nodes])
+  names = (AXIS,) if num_local is None else (_NODE, _LOCAL)
+  shape = (num_nodes,) if num_local is None else (num_nodes, num_local)
+  mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
+                       devices=jax.devices()[: math.prod(shape)])
+  spec = P(*names)
+
+  def blocked(*arrays):  # Each device's block has a leading axis of 1 a mesh axis.
+    outputs = step(*(a.reshape(a.shape[-1]) for a in arrays))
+    return tuple(o.reshape((1,) * len(names) + o.shape) for o in outputs)
+
+  mapped = jax.jit(jax.shard_map(blocked, mesh=mesh, in_specs=spec, out_specs=spec))
+  return lambda *arrays: mapped(*(jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays))
+
+
+def _tie_tolerance(differences, bucket_sizes):
+  """Where float rounding may flip a rounding to nearest, one step; else float rounding.
+
+  ``differences`` are the reference's ``[n, d]`` quantizer inputs: a value
+  within 1e-3 of a step of a tie between two levels may round either way.
+  """
+  tolerance = np.full(differences.shape, 2e-6)
+  bounds = np.cumsum([0, *bucket_sizes])
+  for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+    z = differences[:, start:stop].astype(np.float64)
+    step = (z.max(axis=1, keepdims=True) - z.min(axis=1, keepdims=True) + 1e-7) / 255
+    position = z / step
+    near_tie = np.abs(position - np.floor(position) - 0.5) < 1e-3
+    tolerance[:, start:stop] = np.where(near_tie, 1.01 * step + 2e-6, 2e-6)
+  return tolerance
+
+
+@pytest.mark.parametrize(
+    "num_nodes, num_local, runner, bucket_bytes, bucket_sizes",
+    [(4, None, "pmap", None, [20]),
+     (4, None, "shard_map", 20, [5, 15]),  # b (20 bytes) fills a bucket alone.
+     (4, None, "vmap", None, [20]),
+     (2, None, "pmap", 20, [5, 15]),
+     (2, None, "vmap", None, [20]),
+     (4, 2, "shard_map", None, [20]),
+     (2, 2, "vmap", 20, [5, 15])],
+    ids=["ring4_pmap", "ring4_shard_map_two_buckets", "ring4_vmap", "pair_pmap_two_buckets",
+         "pair_vmap", "hierarchical4x2_shard_map", "hierarchical2x2_vmap_two_buckets"],
+)
+def test_sgd_steps_are_baguas(num_nodes, num_local, runner, bucket_bytes, bucket_sizes):
+  # Workers start apart, each with replicas of its peers' models; every step
+  # is compared with Bagua's step from the state the library reached.
+  step = _bagua_step_fn(num_nodes, num_local, runner, bucket_bytes)
+  rng = np.random.default_rng(5)
+  models = rng.normal(size=(num_nodes, 20)).astype(np.float32)
+  lefts, rights = np.roll(models, 1, axis=0), np.roll(models, -1, axis=0)
+  per_device = (num_nodes,) if num_local is None else (num_nodes, num_local)
+
+  def spread(x):  # A node's model on each of its devices.
+    return x if num_local is None else np.repeat(x[:, None], num_local, axis=1)
+
+  compared = 0
+  for _ in range(_BAGUA_STEPS):
+    grads = rng.normal(size=(*per_device, 20)).astype(np.float32)
+    local_steps = grads * np.float32(-_LEARNING_RATE)
+    expected = references.bagua_decentralized_step(models, lefts, rights, local_steps,
+                                                   bucket_sizes)
+    outputs = jax.block_until_ready(step(spread(models), spread(lefts), spread(rights), grads))
+    outputs = [np.asarray(o) for o in outputs]
+    if num_local is not None:  # Every device of a node holds the same, bit for bit.
+      for o in outputs:
+        np.testing.assert_array_equal(o, np.repeat(o[:, :1], num_local, axis=1))
+      outputs = [o[:, 0] for o in outputs]
+    models, lefts, rights = outputs
+    tolerance = _tie_tolerance(expected.differences, bucket_sizes)
+    for actual, reference in zip(outputs, expected[:3], strict=True):
+      np.testing.assert_array_less(np.abs(actual - reference), tolerance)
+    np.testing.assert_array_equal(lefts, np.roll(models, 1, axis=0))
+    np.testing.assert_array_equal(rights, np.roll(models, -1, axis=0))
+    compared += np.sum(tolerance < 1e-5)
+  # Float rounding near a tie spared only a few comparisons.
+  assert compared >= 0.98 * _BAGUA_STEPS * num_nodes * 20
 
 
 # Digits: the averaged decentralized model against float32 all-reduce.
@@ -304,6 +459,38 @@ def test_unknown_topology_is_refused():
     low_precision_decentralized(optax.sgd(0.1), AXIS, topology="torus")
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, -1, 2.5, True, "10MiB"])
+def test_bad_bucket_bytes_is_refused(bucket_bytes):
+  with pytest.raises(ValueError, match="bucket_bytes"):
+    low_precision_decentralized(optax.sgd(0.1), AXIS, bucket_bytes=bucket_bytes)
+
+
+def test_empty_axis_tuple_is_refused():
+  with pytest.raises(ValueError, match="at least one axis"):
+    low_precision_decentralized(optax.sgd(0.1), ())
+
+
+def test_hierarchical_ring_of_one_node_is_refused():
+  optimizer = low_precision_decentralized(optax.sgd(0.1), (_NODE, _LOCAL))
+
+  def step(params):
+    return optimizer.update(params, optimizer.init(params), params)[0]
+
+  step = jax.vmap(jax.vmap(step, axis_name=_LOCAL), axis_name=_NODE)
+  with pytest.raises(ValueError, match="'node' has size 1"):
+    step(jnp.zeros((1, 4, 3)))
+
+
+def test_unbound_local_axis_is_named():
+  optimizer = low_precision_decentralized(optax.sgd(0.1), (AXIS, _LOCAL))
+
+  def step(params):
+    return optimizer.update(params, optimizer.init(params), params)[0]
+
+  with pytest.raises(NameError, match="'local' is not bound"):
+    jax.vmap(step, axis_name=AXIS)(jnp.zeros((4, 3)))
+
+
 def test_integer_parameter_is_named():
   optimizer = low_precision_decentralized(optax.sgd(0.1), AXIS)
   with pytest.raises(TypeError, match=r"\['layer'\]\['count'\]"):
@@ -338,13 +525,18 @@ def _compiled_step_text(num_workers, compressor):
 
 
 def test_wire_carries_one_quarter_of_float32_a_neighbour():
-  compressor = qsgd_jax.MinMax(bits=8)
+  compressor = qsgd_jax.NearestZeroAlignedMinMax()  # The default; both leaves in one bucket.
   text = _compiled_step_text(NUM_WORKERS, compressor)
   float32_bytes = 4 * (100 * 100 + 100)
-  payload_bytes = (compressor.wire_bits((100, 100)) + compressor.wire_bits((100,))) // 8
+  payload_bytes = compressor.wire_bits((100 * 100 + 100,)) // 8
   received, other_collectives = _permuted_bytes(text)
   assert received == 2 * payload_bytes  # One payload from each neighbour.
   assert 0.25 <= received / 2 / float32_bytes <= 0.251
   assert not other_collectives  # No all-reduce, no all-gather.
   # The bytes do not grow with the number of workers.
   assert _permuted_bytes(_compiled_step_text(4, compressor)) == (received, set())
+
+
+def test_docstring_examples():
+  result = doctest.testmod(decentralized, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0

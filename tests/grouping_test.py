@@ -30,7 +30,7 @@ def test_fixed_buckets_lay_every_array_side_by_side_in_whole_buckets(compressor)
 
 @pytest.mark.parametrize(
     "compressor",
-    [qsgd_jax.QSGD(bits=4, bucket_size=None), qsgd_jax.MinMax(bits=8),
+    [qsgd_jax.QSGD(bits=4, bucket_size=None), qsgd_jax.MinMax(bits=8, bucket_size=None),
      qsgd_jax.Cast(jnp.bfloat16)],
     ids=["qsgd_one_bucket", "minmax_one_bucket", "cast"],
 )
@@ -43,7 +43,8 @@ def test_other_compressors_stack_arrays_of_one_shape_and_dtype(compressor):
 
 
 @pytest.mark.parametrize(
-    "compressor", [qsgd_jax.QSGD(bits=4, bucket_size=8), qsgd_jax.MinMax(bits=8)],
+    "compressor",
+    [qsgd_jax.QSGD(bits=4, bucket_size=8), qsgd_jax.MinMax(bits=8, bucket_size=None)],
     ids=["side_by_side", "stacked"],
 )
 def test_split_inverts_join(compressor):

@@ -1,16 +1,20 @@
 """Low-precision decentralized SGD on a ring of peers (DCD-PSGD, Bagua)."""
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from qsgd_jax._src import axes, base, grouping, serialize, stats, wire
-from qsgd_jax._src.minmax import MinMax
+from qsgd_jax._src import axes, base, serialize, stats, wire
+from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
 
+_OWNER = "low_precision_decentralized"
 _TOPOLOGIES = ("ring",)
-_BAGUA_COMPRESSOR = MinMax(bits=8)
+_BAGUA_BUCKET_BYTES = 10 * 2**20
+_BAGUA_COMPRESSOR = NearestZeroAlignedMinMax()
 
 
 class LowPrecisionDecentralizedState(NamedTuple):
@@ -23,10 +27,10 @@ class LowPrecisionDecentralizedState(NamedTuple):
     right_replica: the same for the right peer (worker ``i + 1``); with two
       workers both replicas hold the single peer.
     key: typed PRNG key ``key<impl>[]``, split every step; the same on every
-      worker (each worker folds in its axis index).
+      worker (each worker folds in its index along the ring).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`: the bits a
-      worker sent its neighbours, against a float32 all-reduce of the
-      parameters (NaN before the first step).
+      worker sent, against a float32 all-reduce of the parameters over all
+      workers (NaN before the first step).
   """
 
   inner_state: optax.OptState
@@ -41,6 +45,7 @@ def low_precision_decentralized(
     axis_name: Any,
     *,
     compressor: base.Compressor = _BAGUA_COMPRESSOR,
+    bucket_bytes: int | None = _BAGUA_BUCKET_BYTES,
     topology: str = "ring",
     key: jax.Array | int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -60,53 +65,87 @@ def low_precision_decentralized(
     x_{i,t+1} &= x_{i,t} + Q(z_i), \qquad
     \hat x_{j,t+1} = \hat x_{j,t} + Q(z_j) \text{ for each peer } j,
 
-  where :math:`Q` is ``compressor`` (``encode`` then ``decode``) and the ring's
-  mixing weights are :math:`W_{ii} = W_{i,i\pm1} = 1/3`; with two workers the
-  ring has one peer and the weights are :math:`1/2, 1/2`. As the weights sum
-  to one, :math:`z_i` is computed as :math:`u_i + \sum_{j \ne i} W_{ij}
-  (\hat x_j - x_i)`, which is the same quantity with less cancellation.
+  where :math:`Q` is ``compressor`` (``encode`` then ``decode``) and the
+  mixing weights are Bagua's: :math:`1/3` for the worker and each of its two
+  neighbours. With two workers the single peer is both neighbours, so it
+  weighs :math:`2/3` and the worker :math:`1/3`. The weights sum to one, so
+  :math:`z_i` is computed as :math:`u_i + ((\hat x_{i-1} - x_i) + (\hat x_{i+1}
+  - x_i)) / 3`, the same quantity with less cancellation than Bagua's float32
+  :math:`(x_i + u_i) + \hat x_{i-1}/3 + \hat x_{i+1}/3 - 5 x_i / 3`: the two
+  agree to float rounding (with a rounding to nearest :math:`Q`, a value
+  within float rounding of a tie between two levels can land on either).
 
-  Each worker encodes :math:`z_i` once a leaf (batched: leaves of one shape
-  under one ``vmap``, or with a fixed ``bucket_size`` all leaves side by side in
-  one encode), packs the payloads into one ``uint32`` buffer, sends it to both
-  neighbours with one ``jax.lax.ppermute`` each, and returns :math:`Q(z_i)`
-  decoded from the same payload as its update, so ``optax.apply_updates`` gives
-  :math:`x_{i,t+1}`; the receivers add the same decoded values to their
-  replicas, so every replica equals its peer's model bit for bit at all times,
-  provided the updates are applied unchanged (make this transform the last of a
-  chain). Models differ across workers: read :func:`averaged_params` for the
-  model to evaluate and :func:`consensus_distance` for how far apart they are.
-  With a constant step size and different data on each worker they stay
-  :math:`O(\gamma)` apart, as in decentralized SGD without compression; a step
-  size decaying to zero brings every worker to the optimum.
+  The differences are sent in Bagua's buckets: the leaves, in the order of
+  ``jax.tree.leaves``, join a bucket whole until it holds ``bucket_bytes`` or
+  more (Bagua's default bucketing, 10 MiB); each bucket is flattened,
+  concatenated in float32 and encoded as one vector, so one minimum and
+  maximum of the default compressor covers a whole bucket of leaves, as in
+  Bagua. All buckets' payloads travel as one ``uint32`` buffer, sent to each
+  neighbour with one ``jax.lax.ppermute``. The update returned is
+  :math:`Q(z_i)` decoded from the same payload, so ``optax.apply_updates``
+  gives :math:`x_{i,t+1}`; the receivers add the same decoded values to
+  their replicas, so every replica equals its peer's model bit for bit at
+  all times, provided the updates are applied unchanged (make this
+  transform the last of a chain). Models differ across workers: read
+  :func:`averaged_params` for the model to evaluate and
+  :func:`consensus_distance` for how far apart they are. With a constant
+  step size and different data on each worker they stay :math:`O(\gamma)`
+  apart, as in decentralized SGD without compression; a step size decaying
+  to zero brings every worker to the optimum.
+
+  Hierarchical mode (Bagua's default where a machine holds several GPUs):
+  with ``axis_name=(ring, *local)``, e.g. ``("node", "local")``, the workers
+  of a node (the devices along the ``local`` axes) first average their
+  steps :math:`u` in float32 (one ``pmean`` over ``local``), then
+  the nodes run the ring above along ``ring`` with one model a node, which
+  every device of the node holds. Bagua reduces the stepped models to the
+  node's first GPU, which alone talks to the neighbouring nodes and then
+  broadcasts the new model; here every device computes the node's step, and
+  the ring buffer is cut into one piece a device: each device sends its piece
+  to the device of the same local index in each neighbouring node, and one
+  ``all_gather`` over ``local`` puts the received buffers back together. The
+  bytes between nodes are Bagua's, spread over the node's devices.
 
   Tang et al. (DCD-PSGD) prove the :math:`O(1/\sqrt{nT})` rate of centralized
   SGD for an unbiased :math:`Q` (:math:`E[Q(z)] = z`) whose error is small
   enough for the ring's spectral gap. Because :math:`Q` compresses the
   *difference* :math:`z_i`, which shrinks as workers agree and gradients
-  vanish, min-max quantization's error (at most one step,
-  :math:`(\max z - \min z) / (2^b - 1)` a coordinate) shrinks with it.
+  vanish, min-max quantization's error shrinks with it. The default
+  compressor, Bagua's :class:`~qsgd_jax.NearestZeroAlignedMinMax`, rounds to
+  nearest: biased, but with half the mean squared error of the unbiased
+  stochastic :class:`~qsgd_jax.MinMax`, which is the one the analysis covers
+  (pass ``compressor=qsgd_jax.MinMax(bits=8)``).
 
   On the wire, each step a worker sends the same payload to each of its two
-  neighbours (once to its only peer when :math:`n = 2`): for a leaf of
-  :math:`d` coordinates and ``MinMax(bits=8)``, :math:`\lceil 8d/32 \rceil`
-  ``uint32`` words plus two float32 scales, about a quarter of the leaf's
-  float32 bytes a neighbour. Bytes and latency are :math:`O(\text{peers})`
-  and do not grow with the number of workers.
+  neighbours (once to its only peer when :math:`n = 2`, where Bagua sends it
+  twice): with the default compressor, one byte a coordinate packed into
+  ``uint32`` words plus two float32 a bucket, about a quarter of the
+  parameters' float32 bytes a neighbour. Bytes and latency are
+  :math:`O(\text{peers})` and do not grow with the number of workers. In
+  hierarchical mode a device sends :math:`1/k` of that (:math:`k` devices a
+  node) to each neighbouring node, plus the ``pmean`` of its step and the
+  ``all_gather`` of the received pieces inside the node.
 
   Args:
     inner: the optimizer whose update of the local gradient is the local
       step :math:`u_i`, e.g. ``optax.sgd(0.1)``; it is given the worker's own
       params and any extra arguments.
     axis_name: the mapped axis of ``pmap`` or ``shard_map`` along which the
-      workers lie; its size must be at least 2.
+      workers lie, of size at least 2; or a tuple ``(ring, *local)``: the
+      ring runs along ``ring`` (at least 2 nodes) and the steps are averaged
+      over the ``local`` axes.
     compressor: a :class:`~qsgd_jax.Compressor`; the default
-      ``qsgd_jax.MinMax(bits=8)`` is Bagua's 8-bit min-max quantizer.
+      ``qsgd_jax.NearestZeroAlignedMinMax()`` is Bagua's 8-bit quantizer,
+      one minimum and maximum a bucket.
+    bucket_bytes: the bucket size in bytes of the parameters (Bagua's
+      default, 10 MiB); ``None`` puts all leaves in one bucket, ``1`` each
+      leaf in its own. Each bucket is one ``encode``, so many small buckets
+      make a larger program.
     topology: the peers graph; ``"ring"`` is the one supported. Peers never
       change during a run.
     key: an int seed or a PRNG key for the compressor's random rounding. Each
-      step splits it, and each worker folds in its ``axis_index`` so that its
-      draws are its own.
+      step splits it, and each worker (each node, in hierarchical mode)
+      folds in its index along the ring so that its draws are its own.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``init(params)`` assumes
@@ -117,11 +156,12 @@ def low_precision_decentralized(
     returns are :math:`Q(z_i)`.
 
   Raises:
-    NameError: if ``update`` runs where ``axis_name`` is not bound.
+    NameError: if ``update`` runs where an axis of ``axis_name`` is not bound.
     TypeError: if ``compressor`` is not a :class:`~qsgd_jax.Compressor`, or a
       parameter is not floating point (the error names its path).
-    ValueError: for an unknown ``topology``, an ``update`` without ``params``,
-      or an axis of size 1.
+    ValueError: for an unknown ``topology``, a ``bucket_bytes`` that is not a
+      positive int or None, an empty ``axis_name`` tuple, an ``update``
+      without ``params``, or a ring of fewer than 2 workers.
 
   Examples:
     Four workers, simulated on one device by ``jax.vmap`` with an axis name
@@ -150,7 +190,8 @@ def low_precision_decentralized(
   References:
     Tang et al., `Communication Compression for Decentralized Training
     <https://arxiv.org/abs/1803.06443>`_, NeurIPS 2018 (DCD-PSGD); Bagua's
-    ``LowPrecisionDecentralizedAlgorithm``.
+    ``LowPrecisionDecentralizedAlgorithm`` (BaguaSys/bagua,
+    ``decentralized_low_precision_synchronous.rs``).
   """
   if not isinstance(compressor, base.Compressor):
     raise TypeError(
@@ -161,6 +202,15 @@ def low_precision_decentralized(
     raise ValueError(
         f"low_precision_decentralized: topology must be one of {_TOPOLOGIES}, got {topology!r}."
     )
+  if bucket_bytes is not None and (
+      not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
+  ):
+    raise ValueError(
+        "low_precision_decentralized: bucket_bytes must be a positive int or None, "
+        f"got {bucket_bytes!r}."
+    )
+  parsed = axes.parse(axis_name, _OWNER)
+  ring_axis, local_axes = parsed.outer, parsed.inner
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -180,62 +230,68 @@ def low_precision_decentralized(
           "call update(updates, state, params)."
       )
     base.check_float_leaves(params, "low_precision_decentralized")
-    size = axes.parse(axis_name, "low_precision_decentralized").size(
-        "low_precision_decentralized")
+    size, *local_sizes = parsed.sizes(_OWNER)
+    local_size = math.prod(local_sizes)
     if size < 2:
       raise ValueError(
-          f"low_precision_decentralized: axis {axis_name!r} has size {size}; "
-          "decentralized training needs at least 2 workers."
+          f"low_precision_decentralized: axis {ring_axis!r} has size {size}; "
+          "decentralized training needs at least 2 workers on the ring."
       )
     local_steps, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    if local_axes:  # The node's workers average their steps, in float32.
+      local_steps = jax.tree.map(
+          lambda u: jax.lax.pmean(u.astype(jnp.float32), local_axes), local_steps)
     key, step_key = jax.random.split(state.key)
-    worker_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+    worker_key = jax.random.fold_in(step_key, jax.lax.axis_index(ring_axis))
 
     leaves, treedef = jax.tree.flatten(params)
     lefts = treedef.flatten_up_to(state.left_replica)
     rights = treedef.flatten_up_to(state.right_replica)
-    # Worker i sends to i + 1 along `to_right`, so what arrives came from its left peer.
-    to_right = [(i, (i + 1) % size) for i in range(size)]
-    to_left = [(i, (i - 1) % size) for i in range(size)]
+    # With two workers both replicas hold the single peer, which so weighs 2/3.
+    differences = [
+        u.astype(x.dtype) + ((left - x) + (right - x)) / 3
+        for x, u, left, right in zip(
+            leaves, treedef.flatten_up_to(local_steps), lefts, rights, strict=True)
+    ]
+    buckets = _buckets([x.size * x.dtype.itemsize for x in leaves], bucket_bytes)
+    payloads = [
+        compressor.encode(jax.random.fold_in(worker_key, b),
+                          jnp.concatenate([differences[k].astype(jnp.float32).reshape(-1)
+                                           for k in bucket]))
+        for b, bucket in enumerate(buckets)
+    ]
+    templates = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
+                 for p in payloads]
+    # All buckets travel as one uint32 buffer: one ppermute a direction.
+    words = jnp.concatenate([serialize.to_words(p) for p in payloads])
+    from_left, from_right, wire_bits = _exchange(
+        words, ring_axis, size, local_axes, local_size)
+    if local_axes:
+      wire_bits += 2 * (local_size - 1) / local_size * 32 * sum(x.size for x in leaves)
 
-    differences = []
-    for x, local_step, left, right in zip(
-        leaves, treedef.flatten_up_to(local_steps), lefts, rights, strict=True
-    ):
-      local_step = local_step.astype(x.dtype)
-      if size == 2:  # One peer, held in both replicas.
-        differences.append(local_step + (right - x) / 2)
-      else:
-        differences.append(local_step + ((left - x) + (right - x)) / 3)
-    if grouping.fixed_bucket_size(compressor) is not None:  # Side by side, as vectors.
-      differences = [z.astype(jnp.float32).reshape(-1) for z in differences]
-    layout = grouping.layout(compressor, differences)
-    payloads = grouping.encode_blocks(compressor, worker_key, layout.join(differences))
-    # All leaves travel as one uint32 buffer: one ppermute a direction.
-    words = jnp.concatenate([jax.vmap(serialize.to_words)(p).reshape(-1) for p in payloads])
-    from_left = jax.lax.ppermute(words, axis_name, to_right)
-    from_right = from_left if size == 2 else jax.lax.ppermute(words, axis_name, to_left)
+    def as_leaves(decoded_buckets):
+      out = [None] * len(leaves)
+      for bucket, flat in zip(buckets, decoded_buckets, strict=True):
+        starts = np.cumsum([0] + [leaves[k].size for k in bucket])
+        for k, start in zip(bucket, starts, strict=False):
+          out[k] = flat[start : start + leaves[k].size].reshape(leaves[k].shape)
+      return out
 
-    def as_leaves(decoded_blocks):
-      return [d.reshape(-1)[: x.size].reshape(x.shape)
-              for d, x in zip(layout.split(decoded_blocks), leaves, strict=True)]
-
-    def decoded(buffer):
-      received, start = [], 0
-      for payload, (batch, _) in zip(payloads, layout.block_sizes(), strict=True):
-        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), payload)
+    def received(buffer):
+      decoded, start = [], 0
+      for template in templates:
         width = serialize.num_words(template)
-        words = buffer[start : start + batch * width].reshape(batch, width)
-        received.append(jax.vmap(lambda w, t=template: serialize.from_words(w, t))(words))
-        start += batch * width
-      return as_leaves(grouping.decode_blocks(compressor, received))
+        decoded.append(compressor.decode(
+            serialize.from_words(buffer[start : start + width], template)))
+        start += width
+      return as_leaves(decoded)
 
+    own = as_leaves([compressor.decode(p) for p in payloads])
     new_updates, new_lefts, new_rights = [], [], []
-    for x, own, left_step, right_step, left, right in zip(
-        leaves, as_leaves(grouping.decode_blocks(compressor, payloads)), decoded(from_left),
-        decoded(from_right), lefts, rights, strict=True
+    for x, step, left_step, right_step, left, right in zip(
+        leaves, own, received(from_left), received(from_right), lefts, rights, strict=True
     ):
-      new_updates.append(own.astype(x.dtype))
+      new_updates.append(step.astype(x.dtype))
       new_lefts.append(left + left_step.astype(x.dtype))
       new_rights.append(right + right_step.astype(x.dtype))
 
@@ -244,19 +300,56 @@ def low_precision_decentralized(
         left_replica=treedef.unflatten(new_lefts),
         right_replica=treedef.unflatten(new_rights),
         key=key,
-        # One buffer to each neighbour (one to the single peer of a pair).
-        stats=stats.make((1 if size == 2 else 2) * 32 * words.size,
-                         wire.float32_allreduce_bits(_num_elements(params), size), jnp.nan),
+        stats=stats.make(wire_bits, wire.float32_allreduce_bits(
+            sum(x.size for x in leaves), size * local_size), jnp.nan),
     )
     return treedef.unflatten(new_updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _num_elements(tree) -> int:
-  return sum(jnp.size(leaf) for leaf in jax.tree.leaves(tree))
+def _buckets(leaf_bytes: list[int], bucket_bytes: int | None) -> list[list[int]]:
+  """Bagua's bucketing: whole leaves, in order, until a bucket holds ``bucket_bytes`` or more."""
+  if bucket_bytes is None:
+    return [list(range(len(leaf_bytes)))]
+  buckets, current, filled = [], [], 0
+  for k, size in enumerate(leaf_bytes):
+    current.append(k)
+    filled += size
+    if filled >= bucket_bytes:
+      buckets.append(current)
+      current, filled = [], 0
+  return [*buckets, current] if current else buckets
 
 
+def _exchange(words, ring_axis, size: int, local_axes: tuple, local_size: int):
+  """Sends ``words`` to both ring neighbours: what came from the left, from the right, and bits.
+
+  Worker ``i`` sends to ``i + 1`` along ``to_right``, so what arrives came
+  from its left peer; with two workers the one message serves as both. In
+  hierarchical mode each device of a node sends its piece of the buffer and
+  an ``all_gather`` over the local axes joins the pieces received.
+  """
+  to_right = [(i, (i + 1) % size) for i in range(size)]
+  to_left = [(i, (i - 1) % size) for i in range(size)]
+  messages = 1 if size == 2 else 2
+  if not local_axes:
+    from_left = jax.lax.ppermute(words, ring_axis, to_right)
+    from_right = from_left if size == 2 else jax.lax.ppermute(words, ring_axis, to_left)
+    return from_left, from_right, messages * 32 * words.size
+  piece = math.ceil(words.size / local_size)
+  padded = jnp.pad(words, (0, piece * local_size - words.size))
+  mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(local_axes) * piece, piece)
+
+  def receive(permutation):
+    pieces = jax.lax.ppermute(mine, ring_axis, permutation)
+    return jax.lax.all_gather(pieces, local_axes, tiled=True)[: words.size]
+
+  from_left = receive(to_right)
+  from_right = from_left if size == 2 else receive(to_left)
+  # Each message: the piece to the neighbouring node, then the all-gather's
+  # (k - 1) / k of the k pieces inside the node.
+  return from_left, from_right, messages * 32 * piece * local_size
 def consensus_distance(params: optax.Params, axis_name: Any) -> jax.Array:
   r"""How far the workers' models are from their average.
 

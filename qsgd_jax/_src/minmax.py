@@ -1,4 +1,4 @@
-"""Min-max scaling with stochastic rounding (QSGD-TF, Bagua's ByteGrad)."""
+"""Min-max scaling with stochastic rounding (QSGD-TF's quantizer)."""
 
 import dataclasses
 import math
@@ -23,12 +23,22 @@ class MinMax(base.SharedScaleCompressor):
 
   On the wire: ``bits`` bits a coordinate, bit-packed into ``uint32`` words,
   plus the bucket's minimum and maximum as two float32:
-  ``ceil(n * bits / 32) * 32 + 64 * num_buckets`` bits.
+  ``ceil(n * bits / 32) * 32 + 64 * num_buckets`` bits; with the default
+  buckets of 512, 8.125 bits a coordinate for ``bits=8``.
+
+  With ``bits=8`` and the default ``bucket_size=512`` this is QSGD-TF's
+  quantizer (``mpi_ops_gpu.cu.cc``): buckets of 512 consecutive elements,
+  each sending its float32 maximum and minimum, codes
+  :math:`\lfloor (x - m)/u + \text{uniform} \rfloor` on the grid through
+  the minimum. (QSGD-TF's uniform draws are multiples of :math:`10^{-6}`,
+  these of :math:`2^{-24}`.) Bagua's ``MinMaxUInt8`` is not this quantizer:
+  it rounds to nearest on a grid through zero, deterministically; that is
+  :class:`~qsgd_jax.NearestZeroAlignedMinMax`.
 
   Attributes:
     bits: bits a code, in ``[1, 16]``.
-    bucket_size: coordinates a bucket; ``None`` (default, as QSGD-TF and
-      Bagua do) is one bucket for the whole array.
+    bucket_size: coordinates a bucket, each with its own minimum and maximum;
+      512 (default) as in QSGD-TF; ``None`` is one bucket for the whole array.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -39,12 +49,12 @@ class MinMax(base.SharedScaleCompressor):
 
   References:
     Zhang et al., `ZipML: Training Linear Models with End-to-End Low Precision
-    <https://arxiv.org/abs/1611.05402>`_, ICML 2017; the QSGD-TF and Bagua
-    implementations.
+    <https://arxiv.org/abs/1611.05402>`_, ICML 2017; QSGD-TF
+    (ganshaoduo/QSGD-TF, ``horovod/tensorflow/mpi_ops_gpu.cu.cc``).
   """
 
   bits: int = 8
-  bucket_size: int | None = None
+  bucket_size: int | None = 512
 
   unbiased = True
   scale_reductions = ("min", "max")
