@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from qsgd_jax._src import exchange, reduction
 from qsgd_jax._src import plan as plan_lib
-from qsgd_jax._src import reduction
 
 KEY = jax.random.key(0)
 # Two leaves of one shape (one stacked block when buckets are not fixed), odd
@@ -171,3 +171,72 @@ def test_axis_names_are_checked(axis_name, error):
   shapes = {"w": jax.ShapeDtypeStruct((8192,), jnp.float32)}
   with pytest.raises(error, match="axis_name"):
     plan_lib.make_plan(shapes, axis_name, qsgd_jax.QSGD(), axis_sizes={})
+
+
+# Executing the layout: segments and blocks, outside any mapped function.
+
+
+def _leaves(*shapes, seed=0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in shapes]
+
+
+def _roundtrip_by_blocks(reduction_plan, leaves):
+  """Each leaf after one batched encode and decode of the plan's blocks."""
+  blocks = reduction_plan.join(reduction_plan.segment_vectors(leaves))
+  payloads = exchange.encode_blocks(reduction_plan.compressor, KEY, blocks, batch_dims=2)
+  decoded = exchange.decode_blocks(reduction_plan.compressor, payloads, batch_dims=2)
+  return reduction_plan.segment_leaves(reduction_plan.split(decoded))
+
+
+@pytest.mark.parametrize("compressor", [qsgd_jax.OneBit(bucket_size=4),
+                                        qsgd_jax.OneBit(bucket_size=None)],
+                         ids=["buckets", "rows"])
+def test_one_batched_encode_quantizes_each_leaf_as_alone(compressor):
+  """Deterministic 1-bit codes agree exactly: buckets (rows) never straddle leaves."""
+  leaves = _leaves((7,), (3, 4), (13,), (2, 4), (5, 7), seed=1)
+  reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method="all_gather",
+                                      min_compressed_size=0, axis_sizes={"batch": 8})
+  together = _roundtrip_by_blocks(reduction_plan, leaves)
+  for i, leaf in enumerate(leaves):
+    if compressor.bucket_size is None:
+      alone = compressor.decode(compressor.encode(KEY, leaf))
+    else:
+      padded = jnp.pad(leaf.reshape(-1), (0, -leaf.size % compressor.bucket_size))
+      alone = compressor.decode(compressor.encode(KEY, padded))[: leaf.size].reshape(leaf.shape)
+    np.testing.assert_array_equal(together[i], alone)
+
+
+@pytest.mark.parametrize("compressor, method", [
+    (qsgd_jax.QSGD(bits=4, bucket_size=8), "two_phase"),
+    (qsgd_jax.QSGD(bits=4, bucket_size=8), "psum"),
+    (qsgd_jax.MinMax(bits=8, bucket_size=None), "two_phase"),
+    (qsgd_jax.MinMax(bits=8, bucket_size=None), "psum"),
+    (qsgd_jax.OneBit(bucket_size=None), "two_phase"),
+], ids=["runs_two_phase", "runs_psum", "whole_two_phase", "whole_psum", "rows_two_phase"])
+def test_split_inverts_join_and_leaves_invert_segments(compressor, method):
+  leaves = _leaves((3, 5), (3, 8), (3, 5), (40,))
+  reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method=method,
+                                      min_compressed_size=0, axis_sizes={"batch": 8})
+  vectors = reduction_plan.segment_vectors(leaves)
+  assert [v.size for v in vectors] == [s.length for s in reduction_plan.segments]
+  blocks = reduction_plan.join(vectors)
+  for block, data in zip(reduction_plan.blocks, blocks, strict=True):
+    assert data.shape == (len(block.segments), block.rows, *block.element_shape)
+  for vector, back in zip(vectors, reduction_plan.split(blocks), strict=True):
+    np.testing.assert_array_equal(back, vector)
+  back = reduction_plan.segment_leaves(vectors)
+  for i, leaf in enumerate(leaves):
+    np.testing.assert_array_equal(back[i], leaf)
+
+
+def test_every_element_of_a_block_draws_its_own_rounding():
+  compressor = qsgd_jax.QSGD(bits=2, bucket_size=None)
+  same = _leaves((4096,)) * 2
+  reduction_plan = plan_lib.make_plan(same, "batch", compressor, method="all_gather",
+                                      min_compressed_size=0, axis_sizes={"batch": 8})
+  (block,) = reduction_plan.blocks
+  assert block.segments == (0, 1)  # Stacked: one encode for both.
+  (payload,) = exchange.encode_blocks(
+      compressor, KEY, reduction_plan.join(reduction_plan.segment_vectors(same)), batch_dims=2)
+  assert not np.array_equal(payload.packed[0], payload.packed[1])

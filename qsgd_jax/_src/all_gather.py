@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qsgd_jax._src import base, exchange, grouping, serialize
+from qsgd_jax._src import base, exchange, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -55,15 +55,15 @@ def all_gather_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array
   """
   compressor, axis = plan.compressor, plan.axes.outer
   blocks = plan.join(vectors)  # [batch, 1, ...]
-  mine = grouping.encode_blocks(compressor, key, blocks, batch_dims=2)
+  mine = exchange.encode_blocks(compressor, key, blocks, batch_dims=2)
   words = jnp.concatenate(
       [jax.vmap(jax.vmap(serialize.to_words))(p).reshape(-1) for p in mine])
   gathered = jax.lax.all_gather(words, axis, tiled=False, to="invarying")
   payloads = exchange.payload_rows(plan, gathered)  # [n, batch, ...] a block
-  summed = [exchange.sum_rows(jax.vmap(jax.vmap(compressor.decode))(p)) / divisor
-            for p in payloads]
+  summed = [exchange.sum_rows(decoded) / divisor
+            for decoded in exchange.decode_blocks(compressor, payloads, batch_dims=2)]
   sent_error = None
   if want_sent_error:
-    decoded = grouping.decode_blocks(compressor, mine, batch_dims=2)
+    decoded = exchange.decode_blocks(compressor, mine, batch_dims=2)
     sent_error = plan.split([b - d for b, d in zip(blocks, decoded, strict=True)])
   return AllGatherOutput(plan.split(summed), sent_error, payloads)

@@ -11,13 +11,13 @@ Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
 
 The large leaves are encoded in a few batched encodes, not one a leaf (see
-``grouping.py``): with a fixed ``bucket_size``, padded to whole buckets and
-side by side as one vector; otherwise leaves of one shape stacked under one
-``vmap``. The compiled program stays small, and each leaf's payload is what
-the compressor defines.
+``plan.py``): with a fixed ``bucket_size``, each padded to whole buckets and
+laid end to end as one vector, cut into pieces of whole buckets; otherwise
+leaves of one shape stacked under one ``vmap``. The compiled program stays
+small, and every bucket is quantized as the compressor defines.
 
-A leaf whose size is not a multiple of ``n * bucket_size`` is padded with zeros
-to whole buckets. The padding is dropped after decoding; QSGD's scales ignore
+A leaf whose size is not a multiple of ``bucket_size`` is padded with zeros to
+whole buckets. The padding is dropped after decoding; QSGD's scales ignore
 it, MinMax's last bucket widens its range to include 0, and OneBit's last
 bucket counts it among the non-negative entries (a small bias of one bucket a
 leaf, which error feedback absorbs).

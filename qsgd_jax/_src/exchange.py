@@ -1,16 +1,49 @@
 """The steps the quantized sums share: payload blocks to ``uint32`` rows and back, row sums.
 
-A block's payloads travel as words: :func:`device_rows` lays out what a
-device sends (row ``j`` for device ``j``), :func:`payload_rows` reads ``n``
-devices' rows of every block's words back into payloads, and :func:`sum_rows`
-adds decoded rows in a fixed order, the same on every device.
+Each block of a plan is encoded by one batched encode (:func:`encode_blocks`),
+every element under its own key; its payloads travel as words:
+:func:`device_rows` lays out what a device sends (row ``j`` for device ``j``),
+:func:`payload_rows` reads ``n`` devices' rows of every block's words back into
+payloads, and :func:`sum_rows` adds decoded rows in a fixed order, the same on
+every device.
 """
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from qsgd_jax._src import base, serialize
 from qsgd_jax._src.plan import ReductionPlan
+
+
+def encode_blocks(compressor: base.Compressor, key: jax.Array, blocks: Sequence[jax.Array],
+                  batch_dims: int = 1) -> list[base.Payload]:
+  """Encodes each ``[batch..., ...]`` block, every element under its own key.
+
+  Args:
+    compressor: the compressor.
+    key: a PRNG key; block ``g`` folds in ``g``, then splits over its batch.
+    blocks: from :meth:`~qsgd_jax._src.plan.ReductionPlan.join`, ``[batch, rows, ...]``.
+    batch_dims: how many leading axes to map ``encode`` over.
+
+  Returns:
+    One batched :class:`~qsgd_jax.Payload` a block.
+  """
+  encode = compressor.encode
+  for _ in range(batch_dims):
+    encode = jax.vmap(encode)
+  return [encode(jax.random.split(jax.random.fold_in(key, g), block.shape[:batch_dims]), block)
+          for g, block in enumerate(blocks)]
+
+
+def decode_blocks(compressor: base.Compressor, payloads: Sequence[base.Payload],
+                  batch_dims: int = 1) -> list[jax.Array]:
+  """Decodes each batched payload of :func:`encode_blocks`."""
+  decode = compressor.decode
+  for _ in range(batch_dims):
+    decode = jax.vmap(decode)
+  return [decode(payload) for payload in payloads]
 
 
 def device_rows(payload: base.Payload, n: int) -> jax.Array:
@@ -32,7 +65,7 @@ def payload_rows(plan: ReductionPlan, words: jax.Array) -> list[base.Payload]:
 
 def decode_rows(plan: ReductionPlan, words: jax.Array) -> list[jax.Array]:
   """``float32[n, batch, ...]`` a block: the pieces received from each device."""
-  return [jax.vmap(jax.vmap(plan.compressor.decode))(p) for p in payload_rows(plan, words)]
+  return decode_blocks(plan.compressor, payload_rows(plan, words), batch_dims=2)
 
 
 def sum_rows(rows: jax.Array) -> jax.Array:

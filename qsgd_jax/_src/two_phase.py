@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, exchange, grouping, serialize
+from qsgd_jax._src import base, exchange, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -75,7 +75,7 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
   blocks = plan.join(vectors)  # [batch, n, ...]: row j goes to device j.
 
   # Phase 1: piece j goes to device j, which adds its own piece as it is.
-  first = grouping.encode_blocks(compressor, send_key, blocks, batch_dims=2)
+  first = exchange.encode_blocks(compressor, send_key, blocks, batch_dims=2)
   send = jnp.concatenate([exchange.device_rows(payload, n) for payload in first], axis=1)
   received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
   owned = []
@@ -90,11 +90,11 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
   # Phase 2: each owner re-quantizes its sums; everyone decodes every sum.
   mine = jnp.concatenate([
       jax.vmap(serialize.to_words)(p).reshape(-1)
-      for p in grouping.encode_blocks(compressor, gather_key, owned)
+      for p in exchange.encode_blocks(compressor, gather_key, owned)
   ])
   gathered_words = jax.lax.all_gather(mine, axis, tiled=False, to="invarying")
   second = exchange.payload_rows(plan, gathered_words)
-  gathered = [jax.vmap(jax.vmap(compressor.decode))(p) for p in second]  # [n, batch, ...]
+  gathered = exchange.decode_blocks(compressor, second, batch_dims=2)  # [n, batch, ...]
   results = plan.split([jnp.swapaxes(g, 0, 1) for g in gathered])
 
   new_owner_error = None
@@ -103,7 +103,7 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
                        for o, g in zip(owned, gathered, strict=True)]
   sent_error = None
   if want_sent_error:
-    decoded = grouping.decode_blocks(compressor, first, batch_dims=2)
+    decoded = exchange.decode_blocks(compressor, first, batch_dims=2)
     sent_error = plan.split([jnp.where(_piece_mask(index, n, b.ndim, 1), 0.0, b - d)
                              for b, d in zip(blocks, decoded, strict=True)])
   return TwoPhaseOutput(results, sent_error, new_owner_error, first, second)
