@@ -13,7 +13,7 @@ from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
 from qsgd_jax._src.axes import as_varying
 from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
 from qsgd_jax._src.baselines import Cast, Identity
-from qsgd_jax._src.collectives import quantized_pmean, quantized_psum
+from qsgd_jax._src.collectives import quantized_pmean, quantized_psum, quantized_psum_scatter
 from qsgd_jax._src.decentralized import (
     LowPrecisionDecentralizedState,
     averaged_params,
@@ -65,6 +65,7 @@ __all__ = (
     "qsgd",
     "quantized_pmean",
     "quantized_psum",
+    "quantized_psum_scatter",
     "state_partition_specs",
     "wire_bytes",
 )

@@ -388,13 +388,24 @@ def test_unbound_axis_name_raises_name_error():
     jax.jit(lambda x: qsgd_jax.quantized_pmean(x, AXIS, qsgd_jax.QSGD(), KEY))(jnp.ones(8192))
 
 
-def test_non_float_leaf_raises_type_error_naming_it():
-  tree = {"params": {"w": jnp.ones((NUM_DEVICES, 8))}, "step": jnp.zeros((NUM_DEVICES,), int)}
-  reduce = jax.pmap(
-      lambda t: qsgd_jax.quantized_pmean(t, AXIS, qsgd_jax.QSGD(), KEY), axis_name=AXIS
-  )
-  with pytest.raises(TypeError, match=r"\['step'\].*int32"):
-    reduce(tree)
+def test_non_float_leaves_go_as_jax_lax_takes_them():
+  """Integer leaves are summed (or averaged, to floats) exactly; float0 ones pass through."""
+  steps = jnp.arange(NUM_DEVICES, dtype=jnp.int32)[:, None] * jnp.ones((1, 3), jnp.int32)
+  tree = {"w": jnp.ones((NUM_DEVICES, 8192)), "step": steps,
+          "grad_of_int": np.zeros((NUM_DEVICES, 2), jax.dtypes.float0)}
+
+  def reduce(t):
+    return {reduce.__name__: qsgd_jax.quantized_psum(t, AXIS, qsgd_jax.QSGD(), KEY),
+            "mean": qsgd_jax.quantized_pmean(t, AXIS, qsgd_jax.QSGD(), KEY),
+            "lax_mean": jax.lax.pmean(t["step"], AXIS)}
+
+  out = jax.pmap(reduce, axis_name=AXIS)(tree)
+  np.testing.assert_array_equal(out["reduce"]["step"], jnp.full((NUM_DEVICES, 3), 28))
+  assert out["reduce"]["step"].dtype == jnp.int32
+  np.testing.assert_array_equal(out["mean"]["step"], out["lax_mean"])
+  assert out["mean"]["step"].dtype == out["lax_mean"].dtype
+  assert out["mean"]["grad_of_int"].dtype == jax.dtypes.float0
+  np.testing.assert_array_equal(out["mean"]["w"], 1.0)
 
 
 def test_non_compressor_raises_type_error():
@@ -654,3 +665,57 @@ def test_wire_bytes_of_handwritten_hlo():
       ("collective-permute", 64, 2, 64),
   ]
   assert qsgd_jax.wire_bytes(_HANDWRITTEN_HLO) == sum(c.bytes_sent for c in found)
+
+
+# Without a mesh, under vmap, and the n-times mistake under shard_map.
+
+
+def test_no_axis_applies_the_compressor_locally_and_sends_nothing():
+  compressor = qsgd_jax.QSGD(bits=4, bucket_size=512)
+  tree = _normal_tree()
+  local = jax.jit(lambda t: qsgd_jax.quantized_pmean(t, None, compressor, KEY))
+  first = jax.tree.map(lambda x: x[0], tree)
+  out = local(first)
+  assert not qsgd_jax.collectives_in_hlo(local.lower(first).compile().as_text())
+  np.testing.assert_array_equal(out["bias"], first["bias"])  # Small: as it is.
+  # The kernel as the compressor sends it: within one level of its bucket's scale.
+  buckets = np.pad(first["kernel"], (0, -first["kernel"].size % 512)).reshape(-1, 512)
+  step = np.repeat(np.abs(buckets).max(axis=1) / compressor.levels, 512)[: first["kernel"].size]
+  assert np.all(np.abs(out["kernel"] - first["kernel"]) <= step * (1 + 1e-6))
+  assert not np.array_equal(out["kernel"], first["kernel"])
+
+
+@pytest.mark.parametrize("method", ["two_phase", "psum", "all_gather"])
+def test_vmap_with_an_axis_name_equals_pmap(method):
+  compressor = qsgd_jax.QSGD(bits=4)
+  tree = _normal_tree()
+
+  def mean(t):
+    return qsgd_jax.quantized_pmean(t, AXIS, compressor, KEY, method=method)
+
+  by_vmap = jax.jit(jax.vmap(mean, axis_name=AXIS))(tree)
+  by_pmap = jax.pmap(mean, axis_name=AXIS)(tree)
+  chex.assert_trees_all_equal(_rows(by_vmap), _rows(by_pmap))
+
+
+def test_replicated_gradients_under_shard_map_are_an_error_naming_the_leaf():
+  """jax.grad of replicated params is already summed over the axis: reducing it is n times."""
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  params = {"w": jnp.ones((64, 128)), "b": jnp.ones(128)}
+  x = jax.device_put(jnp.ones((NUM_DEVICES, 64)), NamedSharding(mesh, P(AXIS)))
+
+  def step(params, x, own_copy):
+    if own_copy:
+      params = qsgd_jax.as_varying(params, AXIS)
+    grads = jax.grad(lambda p: jnp.sum(x @ p["w"] + p["b"]))(params)
+    return qsgd_jax.quantized_pmean(grads, AXIS, qsgd_jax.QSGD(), KEY)
+
+  def run(own_copy):
+    return jax.jit(jax.shard_map(functools.partial(step, own_copy=own_copy), mesh=mesh,
+                                 in_specs=(P(), P(AXIS)), out_specs=P()))(params, x)
+
+  with pytest.raises(ValueError, match=r"leaf \['b'\] is replicated over axis 'batch'.*pcast"):
+    run(own_copy=False)
+  # With each device's own copy, the mean of 8 equal gradients: each one.
+  out = run(own_copy=True)
+  np.testing.assert_allclose(out["b"], 1.0)

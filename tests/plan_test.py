@@ -93,6 +93,38 @@ def test_plan_lists_the_collectives_of_the_compiled_program(name):
   assert planned.wire_bits == 8 * qsgd_jax.wire_bytes(text)
 
 
+@pytest.mark.parametrize("method", ["two_phase", plan_lib.REDUCE_SCATTER])
+def test_plan_lists_integer_leaves_and_the_reduce_scatter(method):
+  """Integer leaves go by jax.lax's own collectives; the reduce-scatter, by one all-to-all."""
+  mesh = _mesh("batch")
+  rng = np.random.default_rng(0)
+  tree = {"w": rng.normal(size=(8, 64, 300)).astype(np.float32),
+          "v": rng.normal(size=(8, 16, 100)).astype(np.float32),
+          "b": rng.normal(size=(8, 8, 5)).astype(np.float32),
+          "steps": np.ones((8, 16, 3), np.int32)}
+  compressor = qsgd_jax.QSGD(bits=4)
+
+  def reduce(t):
+    t = jax.tree.map(lambda x: x[0], t)
+    if method == "two_phase":
+      return qsgd_jax.quantized_psum(t, "batch", compressor, KEY, min_compressed_size=1000)
+    return qsgd_jax.quantized_psum_scatter(t, "batch", compressor, KEY, tiled=True,
+                                           min_compressed_size=1000)
+
+  tree_on_mesh = jax.device_put(tree, NamedSharding(mesh, P("batch")))
+  out_specs = P() if method == "two_phase" else P("batch")
+  text = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("batch"), out_specs=out_specs)
+                 ).lower(tree_on_mesh).compile().as_text()
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+  planned = plan_lib.make_plan(shapes, "batch", compressor, method=method,
+                               min_compressed_size=1000, axis_sizes={"batch": 8}, tiled=True)
+  assert planned.integer == (1,) and planned.full_precision == (0,)
+  as_planned = sorted((c.kind, c.result_bytes, c.group_size) for c in planned.collectives)
+  as_compiled = sorted((c.kind, c.result_bytes, c.group_size)
+                       for c in qsgd_jax.collectives_in_hlo(text))
+  assert as_planned == as_compiled
+
+
 def test_plan_decides_leaves_segments_and_blocks():
   planned = _plan(qsgd_jax.QSGD(bits=4, bucket_size=512), "two_phase", "batch")
   # Tree order is sorted keys: bias, conv_a, conv_b, dense, scale.
@@ -166,7 +198,7 @@ def test_unknown_axis_size_is_an_error_only_where_it_matters():
 
 
 @pytest.mark.parametrize("axis_name, error", [
-    ((), ValueError), (3, TypeError), (("batch", 1), TypeError), (None, TypeError)])
+    ((), ValueError), (3, TypeError), (("batch", 1), TypeError), ((None,), TypeError)])
 def test_axis_names_are_checked(axis_name, error):
   shapes = {"w": jax.ShapeDtypeStruct((8192,), jnp.float32)}
   with pytest.raises(error, match="axis_name"):

@@ -6,6 +6,7 @@ per named optimizer and cache it.
 """
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -32,7 +33,7 @@ _INPUTS = jax.random.normal(jax.random.key(0), (NUM_DEVICES, 16, 64))
 _TARGETS = jax.random.normal(jax.random.key(1), (NUM_DEVICES, 16, 128))
 
 _OPTIMIZERS = {
-    # The chain users write, defaults included (Elias sizes tracked).
+    # The chain users write, defaults included (Elias sizes not measured).
     "qsgd_adamw": lambda: optax.chain(qsgd_jax.qsgd(AXIS), optax.adamw(1e-3)),
     # Every residual and the warm-up branch.
     "onebit_both": lambda: optax.chain(
@@ -406,12 +407,19 @@ def test_unbound_axis_name_is_a_name_error():
                   out_specs=P())(_first(_gaussian(0)))
 
 
-def test_non_float_leaf_is_a_type_error_naming_it():
-  tx = qsgd_jax.qsgd(AXIS)
-  updates = {"w": jnp.zeros((NUM_DEVICES, 8192)), "step": jnp.zeros((NUM_DEVICES, 3), jnp.int32)}
-  state = jax.pmap(tx.init)(updates)
-  with pytest.raises(TypeError, match=r"\['step'\].*int32"):
-    jax.pmap(tx.update, axis_name=AXIS)(updates, state)
+def test_integer_leaves_are_averaged_as_pmean_does_and_float0_pass():
+  """``jax.grad(..., allow_int=True)`` gives float0 leaves; they, and integer leaves, pass."""
+  tx = qsgd_jax.qsgd(AXIS, error_feedback="worker")
+  updates = {"w": _gaussian(3)["w"],
+             "step": jnp.arange(NUM_DEVICES * 3, dtype=jnp.int32).reshape(NUM_DEVICES, 3),
+             "int_param": np.zeros((NUM_DEVICES, 4), jax.dtypes.float0)}
+  state = jax.pmap(tx.init, axis_name=AXIS)(updates)
+  mean, state = jax.pmap(tx.update, axis_name=AXIS)(updates, state)
+  exact = jax.pmap(lambda u: jax.lax.pmean(u, AXIS), axis_name=AXIS)(updates["step"])
+  np.testing.assert_array_equal(mean["step"], exact)
+  assert mean["int_param"].dtype == jax.dtypes.float0
+  assert_replicas_identical(mean["w"])
+  assert [e.shape for e in state.local_error] == [(NUM_DEVICES, 64 * 128)]
 
 
 @pytest.mark.parametrize("compressor", [
@@ -467,7 +475,7 @@ def test_warmup_steps_are_exact_float32_means():
 
 
 @pytest.mark.parametrize("transform, elias_is_smaller", [
-    (qsgd_jax.qsgd(AXIS, norm="l2"), True),
+    (qsgd_jax.qsgd(AXIS, norm="l2", track_elias=True), True),
     (qsgd_jax.qsgd(AXIS, method="psum", error_feedback="worker", track_elias=False), False),
     (qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=NUM_DEVICES), False),
 ], ids=["qsgd_l2", "qsgd_psum_worker", "onebit_both"])
@@ -498,13 +506,27 @@ def test_wire_bits_are_what_the_compiled_update_sends(transform, elias_is_smalle
     assert np.isnan(float(stats.elias_bits))
 
 
-def test_elias_bits_are_finite_with_the_default_max_norm():
+def test_elias_bits_are_off_by_default_and_measured_every_k_steps():
   _, state, _ = _pmap_train("qsgd_adamw", 1)
-  stats = _first(qsgd_jax.compression_stats(state))
+  assert np.isnan(float(_first(qsgd_jax.compression_stats(state)).elias_bits))
+
+  tx = qsgd_jax.qsgd(AXIS, track_elias=3)
+  state = jax.pmap(tx.init, axis_name=AXIS)(_stacked(_PARAMS))
+  update = jax.pmap(tx.update, axis_name=AXIS)
+  found = []
+  for step in range(4):
+    _, state = jax.block_until_ready(update(_gaussian(20 + step), state))
+    found.append(_first(qsgd_jax.compression_stats(state)))
+  scalar_all_reduce_bits = 2 * (NUM_DEVICES - 1) / NUM_DEVICES * 32
   # Unlike with the L2 norm, at 4 bits the max norm's levels are large enough
   # that Elias coding is about as long as the fixed-width wire (a few % more
   # on Gaussians), so only finiteness is asserted.
-  assert np.isfinite(float(stats.elias_bits)) and float(stats.elias_bits) > 0
+  assert np.isfinite(float(found[0].elias_bits)) and float(found[0].elias_bits) > 0
+  # Held between measurements, which alone send the estimate's scalar pmean.
+  assert float(found[1].elias_bits) == float(found[2].elias_bits) == float(found[0].elias_bits)
+  assert float(found[0].wire_bits) - float(found[1].wire_bits) == scalar_all_reduce_bits
+  assert float(found[3].elias_bits) != float(found[0].elias_bits)
+  assert float(found[3].wire_bits) == float(found[0].wire_bits)
 
 
 # Error feedback on a small real problem: scikit-learn's digits, an MLP.
@@ -610,3 +632,73 @@ def test_error_feedback_matters_on_digits():
   # Without error feedback 1-bit SGD trains measurably worse.
   assert accuracy["onebit_none"] < accuracy["onebit_worker"]
   assert loss["onebit_none"] > 1.2 * loss["onebit_worker"]
+
+
+# One device, two levels, and trees that are hardly compressed.
+
+
+def test_no_axis_quantizes_locally_with_error_feedback():
+  """axis_name=None: the step as one device alone would send it, residuals kept."""
+  compressor = qsgd_jax.OneBit(bucket_size=512)
+  tx = qsgd_jax.compressed_allreduce(compressor, None, error_feedback="worker")
+  grads = _first(_gaussian(4))
+  state = tx.init(_PARAMS)
+  update = jax.jit(tx.update)
+  sent, state = update(grads, state)
+  np.testing.assert_array_equal(sent["b"], grads["b"])  # Small: as it is.
+  alone = compressor.decode(compressor.encode(jax.random.key(0), grads["w"].reshape(-1)))
+  np.testing.assert_allclose(sent["w"].reshape(-1), alone, rtol=1e-6)
+  (residual,) = state.local_error
+  np.testing.assert_allclose(residual, grads["w"].reshape(-1) - alone, rtol=1e-5, atol=1e-6)
+  stats = qsgd_jax.compression_stats(state)
+  assert float(stats.wire_bits) == 0.0
+  assert not qsgd_jax.collectives_in_hlo(update.lower(grads, state).compile().as_text())
+
+
+def test_two_levels_report_the_outer_links_own_ratio():
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  axes = ("node", "local")
+  tx = qsgd_jax.qsgd(axes, bits=4)
+  params = {"w": jnp.zeros((512, 1024))}
+  grads = jax.device_put(jax.random.normal(jax.random.key(0), (8, 512, 1024)),
+                         NamedSharding(mesh, P(axes)))
+
+  def step(grads):
+    state = tx.init(params)
+    _, state = tx.update({"w": grads[0]}, state)
+    return qsgd_jax.compression_stats(state)
+
+  stats = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(axes), out_specs=P()))(grads)
+  # Over all links, the float32 reduce-scatter and all-gather inside each node dominate.
+  assert float(stats.compression_ratio) < 1.5
+  # Across nodes only packed 4-bit codes travel: about 8x less than float32.
+  assert 7.5 < float(stats.outer_compression_ratio) < 8.0
+  assert float(stats.outer_wire_bits) < float(stats.wire_bits) / 4
+
+
+def test_a_tree_hardly_compressed_is_warned_about_once():
+  tx = qsgd_jax.qsgd(AXIS)  # min_compressed_size=4096: nothing is quantized.
+  small = {"b": jnp.zeros((NUM_DEVICES, 3000)), "c": jnp.zeros((NUM_DEVICES, 3000))}
+  state = jax.pmap(tx.init, axis_name=AXIS)(small)
+  with pytest.warns(UserWarning, match=r"only 0 of the 6000 elements.*min_compressed_size"):
+    jax.pmap(tx.update, axis_name=AXIS)(small, state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.pmap(tx.update, axis_name=AXIS)(small, state)  # The same tree: cached, silent.
+
+
+def test_gradients_of_replicated_params_under_shard_map_are_an_error():
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  tx = qsgd_jax.qsgd(AXIS)
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _PARAMS), AXIS)
+
+  def step(params, state, x, y):
+    grads = jax.grad(_loss)(params, x[0], y[0])  # No as_varying: summed by autodiff.
+    return tx.update(grads, state)[0]
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                            out_specs=P()))
+  data = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (_INPUTS, _TARGETS)]
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(_PARAMS)
+  with pytest.raises(ValueError, match=r"compressed_allreduce: leaf \['b'\] is replicated"):
+    f(_PARAMS, state, *data)

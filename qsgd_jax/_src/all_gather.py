@@ -19,7 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qsgd_jax._src import base, exchange, serialize
+from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import base, exchange, layout, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -54,16 +55,16 @@ def all_gather_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array
     An :class:`AllGatherOutput`.
   """
   compressor, axis = plan.compressor, plan.axes.outer
-  blocks = plan.join(vectors)  # [batch, 1, ...]
+  blocks = layout.join(plan, vectors)  # [batch, 1, ...]
   mine = exchange.encode_blocks(compressor, key, blocks, batch_dims=2)
   words = jnp.concatenate(
       [jax.vmap(jax.vmap(serialize.to_words))(p).reshape(-1) for p in mine])
-  gathered = jax.lax.all_gather(words, axis, tiled=False, to="invarying")
+  gathered = axes_lib.all_gather_replicated(words, axis)
   payloads = exchange.payload_rows(plan, gathered)  # [n, batch, ...] a block
   summed = [exchange.sum_rows(decoded) / divisor
             for decoded in exchange.decode_blocks(compressor, payloads, batch_dims=2)]
   sent_error = None
   if want_sent_error:
     decoded = exchange.decode_blocks(compressor, mine, batch_dims=2)
-    sent_error = plan.split([b - d for b, d in zip(blocks, decoded, strict=True)])
-  return AllGatherOutput(plan.split(summed), sent_error, payloads)
+    sent_error = layout.split(plan, [b - d for b, d in zip(blocks, decoded, strict=True)])
+  return AllGatherOutput(layout.split(plan, summed), sent_error, payloads)

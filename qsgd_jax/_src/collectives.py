@@ -1,11 +1,13 @@
-"""Quantized psum and pmean whose wire carries packed low-bit codes.
+"""Quantized psum, pmean and psum_scatter whose wire carries packed low-bit codes.
 
-Two methods, both called inside ``jax.pmap`` or ``jax.shard_map``:
-``"two_phase"`` (default: an all-to-all of packed pieces, then an all-gather of
-packed sums; see ``two_phase.py``) and ``"psum"`` (shared scales, then one
-integer psum of the codes; see ``shared_scale.py``). What is sent is decided
-from static shapes by a reduction plan (``plan.py``), and executed by
-``reduction.py``.
+Three methods for the sum, all called inside ``jax.pmap``, ``jax.shard_map``
+or ``jax.vmap`` with an axis name: ``"two_phase"`` (default: an all-to-all of
+packed pieces, then an all-gather of packed sums; see ``two_phase.py``),
+``"psum"`` (shared scales, then one integer psum of the codes; see
+``shared_scale.py``) and ``"all_gather"`` (every device's payload to every
+device; see ``all_gather.py``); the reduce-scatter is the two-phase method's
+first phase. What is sent is decided from static shapes by a reduction plan
+(``plan.py``), and executed by ``reduction.py``.
 
 Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
@@ -60,20 +62,40 @@ def quantized_psum(
   4x fewer bytes, as an all-reduce of 8-bit integers sends a byte a
   coordinate. Only for :class:`~qsgd_jax.QSGD` and :class:`~qsgd_jax.MinMax`.
 
+  ``"all_gather"`` (the QSGD paper's Algorithm 1): every device broadcasts its
+  payload and every device decodes and adds all of them in one fixed order.
+  One quantization a device and none of the sum, so the least error (the
+  mean's variance is the devices' average over ``n``); but ``n - 1`` payloads
+  on the wire: worth it for a few devices, or where accuracy matters most.
+
+  Under ``jax.shard_map``, every float leaf must vary over the axes (a
+  per-device value): a gradient taken with respect to replicated parameters
+  has already been summed over the axis by autodiff, and summing it again
+  would give ``n`` times the answer, so that is an error; differentiate with
+  respect to :func:`~qsgd_jax.as_varying` params.
+
   Args:
-    tree: a pytree of float arrays (float32, bfloat16, float16).
+    tree: a pytree of arrays. Float leaves (float32, bfloat16, float16) are
+      quantized or summed in float32 by size; integer leaves are summed as
+      ``jax.lax.psum`` sums them; ``float0`` leaves (``jax.grad`` with
+      ``allow_int=True``) are returned as they are.
     axis_name: a mapped axis name, or a tuple ``(outer, inner, ...)``: then the
       sum over the inner axes is taken in full precision (a reduce-scatter
       and an all-gather over the fast links) and only the outer axis is
-      quantized, as CGX's and BytePS's two-level reducers do.
+      quantized, as CGX's and BytePS's two-level reducers do. ``None`` for one
+      device alone: each leaf as the compressor would send it
+      (``decode(encode(x))``), no collective, for debugging.
     compressor: a :class:`~qsgd_jax.Compressor`.
     key: a PRNG key, the same on every device.
-    method: ``"two_phase"`` or ``"psum"``.
-    min_compressed_size: leaves with fewer elements are summed in full
+    method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``.
+    min_compressed_size: float leaves with fewer elements are summed in full
       precision.
 
   Returns:
     A pytree like ``tree``: the sum over the axis, in each leaf's dtype.
+
+  Raises:
+    ValueError: under ``jax.shard_map``, a float leaf replicated over the axis.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -109,7 +131,8 @@ def quantized_pmean(
 
   The mean counterpart of :func:`quantized_psum`, with the same arguments
   and guarantees; the sum is divided by the axis size before the second
-  quantization.
+  quantization. Integer leaves are averaged as ``jax.lax.pmean`` averages
+  them (to floats).
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -126,3 +149,70 @@ def quantized_pmean(
                                   min_compressed_size=min_compressed_size,
                                   owner="quantized_pmean")
   return reduction.reduce(reduction_plan, tree, key, mean=True).tree
+
+
+def quantized_psum_scatter(
+    tree,
+    axis_name: str,
+    compressor: base.Compressor,
+    key: jax.Array,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+):
+  """``jax.lax.psum_scatter`` of a pytree, sending compressed payloads.
+
+  Device ``j`` of ``n`` gets shard ``j`` of the sum of every leaf, split along
+  ``scatter_dimension``: the gradient reduction of FSDP / ZeRO, where each
+  device keeps and updates only its shard of the parameters (DeepSpeed
+  ZeRO++ quantizes exactly this, "qgZ"). Each device cuts its leaves into
+  ``n`` shards and encodes them (the shards of leaves with a fixed bucket
+  size end to end, each padded to whole buckets), one ``all_to_all`` sends
+  shard ``j`` to device ``j``, and device ``j`` adds the ``n - 1`` decoded
+  shards to its own, which never crossed the wire. A device sends
+  ``(n - 1) / n`` payloads of its gradient: half the bytes of
+  :func:`quantized_psum`'s two-phase method, and one quantization instead of
+  two. Unbiased for an unbiased compressor.
+
+  Args:
+    tree: a pytree of arrays, as for :func:`quantized_psum`; every leaf must
+      split into ``n`` shards along ``scatter_dimension``.
+    axis_name: one mapped axis name.
+    compressor: a :class:`~qsgd_jax.Compressor`. A compressor that quantizes
+      rows (``OneBit(bucket_size=None)``) sees each shard with the scatter
+      dimension first.
+    key: a PRNG key, the same on every device.
+    scatter_dimension: the dimension to split, as in ``jax.lax.psum_scatter``.
+    tiled: keep that dimension, of ``size / n`` (``True``), or remove it
+      (``False``: it must have size ``n``), as in ``jax.lax.psum_scatter``.
+    min_compressed_size: float leaves with fewer elements are reduce-scattered
+      in float32.
+
+  Returns:
+    A pytree like ``tree`` of this device's shards of the sum, in each leaf's
+    dtype.
+
+  Raises:
+    ValueError: a leaf does not split into ``n`` shards, ``axis_name`` is not
+      one axis, or under ``jax.shard_map`` a float leaf is replicated over it.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> grads = jnp.ones((n, 8 * 8192))
+    >>> shards = jax.pmap(
+    ...     lambda g: qsgd_jax.quantized_psum_scatter(
+    ...         g, "batch", qsgd_jax.QSGD(bits=8), jax.random.key(0), tiled=True),
+    ...     axis_name="batch")(grads)
+    >>> shards.shape == (n, 8 * 8192 // n), bool(jnp.all(shards == n))
+    (True, True)
+
+  References:
+    Rajbhandari et al., ZeRO, SC 2020; Wang et al., ZeRO++, ICLR 2024.
+  """
+  reduction_plan = plan.make_plan(
+      tree, axis_name, compressor, method=plan.REDUCE_SCATTER,
+      min_compressed_size=min_compressed_size, owner="quantized_psum_scatter",
+      scatter_dimension=scatter_dimension, tiled=tiled)
+  return reduction.reduce_scatter(reduction_plan, tree, key).tree

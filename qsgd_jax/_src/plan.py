@@ -44,6 +44,8 @@ from qsgd_jax._src import base, serialize, wire
 
 Method = Literal["two_phase", "psum", "all_gather"]
 METHODS = ("two_phase", "psum", "all_gather")
+# The quantized reduce-scatter of quantized_psum_scatter: the two-phase method's first phase.
+REDUCE_SCATTER = "reduce_scatter"
 
 # Leaves under this many elements go in full precision. Padding a leaf to whole
 # buckets on every device costs up to n * bucket_size elements, and a tiny
@@ -60,7 +62,9 @@ class PlannedCollective(NamedTuple):
     dtype: the element type of its result.
     shape: the shape of its result on one device.
     group_size: devices in one group.
-    carries: what it moves: ``"float32 leaves"``, ``"inner reduce-scatter"``,
+    link: the axes it crosses: ``"outer"``, ``"inner"``, or ``"all"`` of them.
+    carries: what it moves: ``"integer leaves"``, ``"float32 leaves"``,
+      ``"inner reduce-scatter"``,
       ``"inner all-gather"``, ``"first phase"`` and ``"second phase"``
       (the two-phase method's packed payloads), ``"payloads"`` (the
       all-gather method's), ``"shared scales"`` or ``"code sums"``.
@@ -70,6 +74,7 @@ class PlannedCollective(NamedTuple):
   dtype: np.dtype
   shape: tuple[int, ...]
   group_size: int
+  link: str
   carries: str
 
   @property
@@ -84,6 +89,9 @@ class PlannedCollective(NamedTuple):
 
 class Segment(NamedTuple):
   """Compressed leaves laid end to end: what one device quantizes as one vector.
+
+  For the reduce-scatter, the segment is ``n`` rows, row ``j`` holding shard
+  ``j`` of each leaf end to end; ``offsets`` are then within a row.
 
   Attributes:
     leaves: the leaves' indices in the tree.
@@ -107,7 +115,8 @@ class Block(NamedTuple):
 
   Attributes:
     segments: the segments' indices, one a batch element.
-    rows: ``n`` for the two-phase method (row ``j`` is piece ``j``), else 1.
+    rows: ``n`` for the two-phase method and the reduce-scatter (row ``j`` is
+      piece ``j``), else 1.
     width: elements of a row, whole runs.
     element_shape: the shape one row is encoded in: ``(width // run, run)``
       for a segment of runs (so a compressor that quantizes rows sees them),
@@ -129,27 +138,35 @@ class ReductionPlan:
 
   Attributes:
     leaf_shapes: each leaf's shape, in tree order.
-    axes: the reduction's axes.
+    leaf_dtypes: each leaf's dtype.
+    axes: the reduction's axes (local: none).
     axis_sizes: the size of each of ``axes.names``; ``None`` where unknown
       (an ``init`` outside the mapped function), and then the decisions that
       depend on it raise a ``ValueError`` saying how to give it.
     compressor: the compressor.
-    method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``.
-    min_compressed_size: leaves with fewer elements go in float32.
+    method: ``"two_phase"``, ``"psum"``, ``"all_gather"``, or
+      ``"reduce_scatter"`` for :func:`~qsgd_jax.quantized_psum_scatter`.
+    min_compressed_size: float leaves with fewer elements go in float32.
     owner: the public function this plan serves, named in errors.
+    scatter_dimension: the reduce-scatter's dimension of every leaf.
+    tiled: the reduce-scatter keeps that dimension (of ``size / n``) rather
+      than removing it (of size ``n``).
   """
 
   leaf_shapes: tuple[tuple[int, ...], ...]
+  leaf_dtypes: tuple[np.dtype, ...]
   axes: axes_lib.Axes
   axis_sizes: tuple[int | None, ...]
   compressor: base.Compressor
-  method: Method
+  method: str
   min_compressed_size: int
   owner: str
+  scatter_dimension: int = 0
+  tiled: bool = False
 
   @property
   def outer_size(self) -> int:
-    return self._known_size(0)
+    return 1 if self.axes.is_local else self._known_size(0)
 
   @property
   def inner_size(self) -> int:
@@ -165,23 +182,68 @@ class ReductionPlan:
     return sum(math.prod(shape) for shape in self.leaf_shapes)
 
   @functools.cached_property
+  def kinds(self) -> tuple[str, ...]:
+    """How each leaf travels: ``"unchanged"`` (``float0``, as ``jax.grad`` gives for
+    integer inputs), ``"integer"`` (by the plain ``jax.lax`` collective),
+    ``"float32"`` (small float leaves, fused) or ``"compressed"``."""
+    kinds = []
+    for shape, dtype in zip(self.leaf_shapes, self.leaf_dtypes, strict=True):
+      if dtype == jax.dtypes.float0:
+        kinds.append("unchanged")
+      elif not jnp.issubdtype(dtype, jnp.floating):
+        kinds.append("integer")
+      elif math.prod(shape) < self.min_compressed_size:
+        kinds.append("float32")
+      else:
+        kinds.append("compressed")
+    return tuple(kinds)
+
+  def _indices(self, kind: str) -> tuple[int, ...]:
+    return tuple(i for i, k in enumerate(self.kinds) if k == kind)
+
+  @property
+  def unchanged(self) -> tuple[int, ...]:
+    return self._indices("unchanged")
+
+  @property
+  def integer(self) -> tuple[int, ...]:
+    return self._indices("integer")
+
+  @property
+  def full_precision(self) -> tuple[int, ...]:
+    """Indices of the float leaves summed in float32, in tree order."""
+    return self._indices("float32")
+
+  @property
   def compressed(self) -> tuple[int, ...]:
     """Indices of the leaves sent compressed, in tree order."""
-    return tuple(i for i, shape in enumerate(self.leaf_shapes)
-                 if math.prod(shape) >= self.min_compressed_size)
+    return self._indices("compressed")
 
-  @functools.cached_property
-  def full_precision(self) -> tuple[int, ...]:
-    """Indices of the leaves summed in float32, in tree order."""
-    return tuple(i for i, shape in enumerate(self.leaf_shapes)
-                 if math.prod(shape) < self.min_compressed_size)
+  def output_shape(self, i: int) -> tuple[int, ...]:
+    """Leaf ``i``'s shape in the result: its shape, or its shard's for the reduce-scatter."""
+    shape = self.leaf_shapes[i]
+    if self.method != REDUCE_SCATTER:
+      return shape
+    d = self.scatter_dimension
+    if self.tiled:
+      return (*shape[:d], shape[d] // self.outer_size, *shape[d + 1:])
+    return (*shape[:d], *shape[d + 1:])
+
+  def _shard_rows_shape(self, i: int) -> tuple[int, ...]:
+    """Reduce-scatter: a shard of leaf ``i`` with the scatter dimension first."""
+    shape = self.leaf_shapes[i]
+    d = self.scatter_dimension
+    rest = (*shape[:d], *shape[d + 1:])
+    return (shape[d] // self.outer_size, *rest) if self.tiled else rest
 
   @functools.cached_property
   def segments(self) -> tuple[Segment, ...]:
     """The compressed leaves laid end to end, in tree order of their first leaf."""
+    scatter = self.method == REDUCE_SCATTER
     groups = {}  # Leaves of one run length together; a whole-array leaf alone.
     for i in self.compressed:
-      run = self.compressor.bucket_length(self.leaf_shapes[i])
+      shape = self._shard_rows_shape(i) if scatter else self.leaf_shapes[i]
+      run = self.compressor.bucket_length(shape)
       groups.setdefault(("leaf", i) if run is None else ("run", run), (run, []))[1].append(i)
     m = self.inner_size
     segments = []
@@ -190,15 +252,20 @@ class ReductionPlan:
       offsets, end = [], 0
       for i in leaves:
         offsets.append(end)
-        end += -(-math.prod(self.leaf_shapes[i]) // unit) * unit
-      length = -(-end // (m * unit)) * unit
+        size = math.prod(self._shard_rows_shape(i) if scatter else self.leaf_shapes[i])
+        end += -(-size // unit) * unit
+      if scatter:  # n rows of the shards end to end.
+        length = self.outer_size * end
+      else:
+        length = -(-end // (m * unit)) * unit
       segments.append(Segment(tuple(leaves), tuple(offsets), run, m * length, length))
     return tuple(segments)
 
   @functools.cached_property
   def blocks(self) -> tuple[Block, ...]:
     """The batched encodes: a segment of runs alone; whole-array segments stacked by width."""
-    rows = self.outer_size if self.method == "two_phase" else 1
+    scatters = self.method in ("two_phase", REDUCE_SCATTER) and not self.axes.is_local
+    rows = self.outer_size if scatters else 1
     blocks = {}
     for k, segment in enumerate(self.segments):
       unit = segment.run or 1
@@ -240,34 +307,44 @@ class ReductionPlan:
   @functools.cached_property
   def collectives(self) -> tuple[PlannedCollective, ...]:
     """Every collective the reduction issues, in program order."""
+    if self.axes.is_local:
+      return ()
+    f32, u32 = np.dtype(np.float32), np.dtype(np.uint32)
+    m, n, everyone = self.inner_size, self.outer_size, self.num_devices
+    scatter = self.method == REDUCE_SCATTER
     planned = []
-    f32 = np.dtype(np.float32)
+    for i in self.integer:
+      kind = "reduce-scatter" if scatter else "all-reduce"
+      planned.append(PlannedCollective(kind, self.leaf_dtypes[i], self.output_shape(i),
+                                       everyone, "all", "integer leaves"))
     if self.full_precision:
-      size = sum(math.prod(self.leaf_shapes[i]) for i in self.full_precision)
-      planned.append(PlannedCollective("all-reduce", f32, (size,), self.num_devices,
-                                       "float32 leaves"))
+      size = sum(math.prod(self.output_shape(i)) for i in self.full_precision)
+      kind = "reduce-scatter" if scatter else "all-reduce"
+      planned.append(PlannedCollective(kind, f32, (size,), everyone, "all", "float32 leaves"))
     if not self.compressed:
       return tuple(planned)
     inner_elements = sum(segment.length for segment in self.segments)
-    m, n = self.inner_size, self.outer_size
     if self.axes.inner:
-      planned.append(PlannedCollective("reduce-scatter", f32, (inner_elements,), m,
+      planned.append(PlannedCollective("reduce-scatter", f32, (inner_elements,), m, "inner",
                                        "inner reduce-scatter"))
-    words = np.dtype(np.uint32), (n, sum(self.block_words))
+    words = (u32, (n, sum(self.block_words)), n, "outer")
+    if self.method in ("two_phase", REDUCE_SCATTER):
+      planned.append(PlannedCollective("all-to-all", *words, "first phase"))
     if self.method == "two_phase":
-      planned.append(PlannedCollective("all-to-all", *words, n, "first phase"))
-      planned.append(PlannedCollective("all-gather", *words, n, "second phase"))
+      planned.append(PlannedCollective("all-gather", *words, "second phase"))
     elif self.method == "all_gather":
-      planned.append(PlannedCollective("all-gather", *words, n, "payloads"))
-    else:
+      planned.append(PlannedCollective("all-gather", *words, "payloads"))
+    elif self.method == "psum":
       scales = sum(len(block.segments) * math.prod(jax.eval_shape(
           self.compressor.local_scales, _f32(block.element_shape)).shape)
           for block in self.blocks)
       codes = sum(len(block.segments) * block.width for block in self.blocks)
-      planned.append(PlannedCollective("all-reduce", f32, (scales,), n, "shared scales"))
-      planned.append(PlannedCollective("all-reduce", self.sum_dtype, (codes,), n, "code sums"))
+      planned.append(PlannedCollective("all-reduce", f32, (scales,), n, "outer",
+                                       "shared scales"))
+      planned.append(PlannedCollective("all-reduce", self.sum_dtype, (codes,), n, "outer",
+                                       "code sums"))
     if self.axes.inner:
-      planned.append(PlannedCollective("all-gather", f32, (m, inner_elements), m,
+      planned.append(PlannedCollective("all-gather", f32, (m, inner_elements), m, "inner",
                                        "inner all-gather"))
     return tuple(planned)
 
@@ -276,47 +353,17 @@ class ReductionPlan:
     """Bits one device sends, summed over :attr:`collectives`."""
     return 8 * sum(c.bytes_sent for c in self.collectives)
 
-  def segment_vectors(self, leaves: list[jax.Array]) -> list[jax.Array]:
-    """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded)."""
-    vectors = []
-    for segment in self.segments:
-      ends = (*segment.offsets[1:], segment.full_length)
-      vectors.append(jnp.concatenate([
-          jnp.pad(leaves[i].astype(jnp.float32).reshape(-1),
-                  (0, end - offset - math.prod(self.leaf_shapes[i])))
-          for i, offset, end in zip(segment.leaves, segment.offsets, ends, strict=True)]))
-    return vectors
+  @functools.cached_property
+  def outer_wire_bits(self) -> float:
+    """Bits one device sends across the outer axis: the slow links between nodes.
 
-  def segment_leaves(self, vectors: list[jax.Array]) -> dict[int, jax.Array]:
-    """Inverse of :meth:`segment_vectors`: each compressed leaf, float32, by its index."""
-    leaves = {}
-    for segment, vector in zip(self.segments, vectors, strict=True):
-      for i, offset in zip(segment.leaves, segment.offsets, strict=True):
-        shape = self.leaf_shapes[i]
-        leaves[i] = vector[offset : offset + math.prod(shape)].reshape(shape)
-    return leaves
-
-  def join(self, vectors: list[jax.Array]) -> list[jax.Array]:
-    """``[batch, rows, *element_shape]`` a block, from each segment's ``float32[length]``."""
-    blocks = []
-    for block in self.blocks:
-      size = block.rows * block.width
-      blocks.append(jnp.stack([
-          jnp.pad(vectors[k], (0, size - vectors[k].size)).reshape(block.rows,
-                                                                   *block.element_shape)
-          for k in block.segments]))
-    return blocks
-
-  def split(self, blocks: list[jax.Array]) -> list[jax.Array]:
-    """Inverse of :meth:`join`: each segment's ``float32[length]``, padding dropped.
-
-    A block may come as ``[batch, rows, ...]`` or ``[batch, ...]``.
+    A collective over the outer axis counts whole. One over every axis counts
+    ``1 / inner_size`` of its bits: done hierarchically (reduce-scatter inside
+    the node, the outer collective on a shard, all-gather inside), that is what
+    crosses the outer axis. Inner collectives count nothing.
     """
-    vectors = [None] * len(self.segments)
-    for block, data in zip(self.blocks, blocks, strict=True):
-      for b, k in enumerate(block.segments):
-        vectors[k] = data[b].reshape(-1)[: self.segments[k].length]
-    return vectors
+    share = {"outer": 1.0, "all": 1.0 / self.inner_size, "inner": 0.0}
+    return 8 * sum(c.bytes_sent * share[c.link] for c in self.collectives)
 
   def local_error_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Worker error feedback: one ``float32[length]`` residual a segment."""
@@ -349,30 +396,33 @@ def make_plan(
     axis_name: axes_lib.AxisName,
     compressor: base.Compressor,
     *,
-    method: Method = "two_phase",
+    method: str = "two_phase",
     min_compressed_size: int = DEFAULT_MIN_COMPRESSED_SIZE,
     axis_sizes: dict[str, int | None] | None = None,
     owner: str = "quantized reduction",
+    scatter_dimension: int = 0,
+    tiled: bool = False,
 ) -> ReductionPlan:
   """The :class:`ReductionPlan` of reducing ``tree`` over ``axis_name``.
 
   Args:
-    tree: a pytree of float arrays or ``jax.ShapeDtypeStruct``.
-    axis_name: a mapped axis name, or ``(outer, inner, ...)``.
+    tree: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+    axis_name: a mapped axis name, ``(outer, inner, ...)``, or ``None``.
     compressor: a :class:`~qsgd_jax.Compressor`.
-    method: ``"two_phase"`` or ``"psum"``.
-    min_compressed_size: leaves with fewer elements go in float32.
+    method: one of :data:`METHODS`, or ``"reduce_scatter"``.
+    min_compressed_size: float leaves with fewer elements go in float32.
     axis_sizes: sizes by axis name, ``None`` for one not known. Without it,
       every axis must be bound (``jax.lax.axis_size``).
     owner: the public function asking, named in errors.
+    scatter_dimension, tiled: the reduce-scatter's, as ``jax.lax.psum_scatter``'s.
 
   Returns:
     A plan, cached: the same arguments give the same object.
 
   Raises:
     TypeError: ``compressor`` is not a compressor.
-    ValueError: an unknown ``method``, or ``"psum"`` with a compressor that
-      has no shared-scale form.
+    ValueError: an unknown ``method``, ``"psum"`` with a compressor that has
+      no shared-scale form, or a leaf the reduce-scatter cannot split.
     NameError: an axis is neither bound nor in ``axis_sizes``.
   """
   if not isinstance(compressor, base.Compressor):
@@ -380,7 +430,7 @@ def make_plan(
         f"{owner}: compressor must be a qsgd_jax.Compressor, got "
         f"{type(compressor).__name__}: {compressor!r}."
     )
-  if method not in METHODS:
+  if method not in (*METHODS, REDUCE_SCATTER):
     raise ValueError(f"{owner}: method must be one of {METHODS}, got {method!r}.")
   if method == "psum" and not isinstance(compressor, base.SharedScaleCompressor):
     raise ValueError(
@@ -392,8 +442,34 @@ def make_plan(
     sizes = axes.sizes(owner)
   else:
     sizes = tuple(axis_sizes.get(name) for name in axes.names)
-  shapes = tuple(tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree))
-  return _cached_plan(shapes, axes, sizes, compressor, method, min_compressed_size, owner)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  shapes = tuple(tuple(jnp.shape(leaf)) for _, leaf in leaves)
+  dtypes = tuple(np.dtype(jnp.result_type(leaf)) for _, leaf in leaves)
+  if method == REDUCE_SCATTER:
+    if axes.inner or axes.is_local:
+      raise ValueError(f"{owner}: axis_name must be one mapped axis, got {axis_name!r}.")
+    for path, shape in zip((p for p, _ in leaves), shapes, strict=True):
+      _check_scatter(shape, scatter_dimension, tiled, sizes[0], owner,
+                     jax.tree_util.keystr(path) or "<root>")
+  return _cached_plan(shapes, dtypes, axes, sizes, compressor, method, min_compressed_size,
+                      owner, scatter_dimension, tiled)
+
+
+def _check_scatter(shape, dimension: int, tiled: bool, n: int, owner: str, name: str) -> None:
+  """Raises unless a leaf of ``shape`` splits into ``n`` shards along ``dimension``."""
+  if not 0 <= dimension < len(shape):
+    raise ValueError(
+        f"{owner}: leaf {name} of shape {shape} has no dimension {dimension}: "
+        f"scatter_dimension={dimension} is out of range.")
+  if tiled and shape[dimension] % n:
+    raise ValueError(
+        f"{owner}: leaf {name} has {shape[dimension]} elements along scatter_dimension="
+        f"{dimension}, not a multiple of the axis size {n}; pad it, or reduce it with "
+        "quantized_psum.")
+  if not tiled and shape[dimension] != n:
+    raise ValueError(
+        f"{owner}: with tiled=False, leaf {name} must have the axis size {n} along "
+        f"scatter_dimension={dimension}, got shape {shape}; pass tiled=True to split it.")
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base
+from qsgd_jax._src import base, exchange, layout
 from qsgd_jax._src.all_gather import all_gather_sum
 from qsgd_jax._src.plan import ReductionPlan
 from qsgd_jax._src.shared_scale import shared_scale_sum
-from qsgd_jax._src.two_phase import two_phase_sum
+from qsgd_jax._src.two_phase import scatter_phase, two_phase_sum
 
 
 class Reduction(NamedTuple):
@@ -62,7 +62,9 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
 
   Args:
     plan: from :func:`~qsgd_jax._src.plan.make_plan` for this tree.
-    tree: a pytree of float arrays, this device's values.
+    tree: a pytree of arrays, this device's values: float leaves are reduced
+      as the plan says, integer ones by the plain ``jax.lax`` collective
+      (``pmean`` gives floats), ``float0`` ones returned as they are.
     key: a PRNG key, the same on every device.
     mean: divide by the number of devices (before the second quantization).
     local_error: for each segment, ``float32[length]``, added to what this
@@ -76,57 +78,137 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
     A :class:`Reduction`.
 
   Raises:
-    TypeError: a leaf of ``tree`` is not float (the error names it).
+    ValueError: under ``jax.shard_map``, a float leaf is replicated over an
+      axis rather than a per-device value (the error names it).
   """
-  base.check_float_leaves(tree, plan.owner)
+  axes = plan.axes
+  if not axes.is_local:
+    axes_lib.check_varying(tree, axes, plan.owner)
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
-  axes = plan.axes
   divisor = plan.num_devices if mean else 1
-  out = list(leaves)
+  out = list(leaves)  # "unchanged" leaves (float0) stay as they are.
   want_local_error = want_local_error or local_error is not None
   sent_error = new_owner_error = None
   payloads = {}
 
-  if plan.full_precision:
+  if plan.integer and not axes.is_local:  # As jax.lax would: pmean gives floats.
+    reduce_exact = jax.lax.pmean if mean else jax.lax.psum
+    for i in plan.integer:
+      out[i] = reduce_exact(leaves[i], axes.name)
+  if plan.full_precision and not axes.is_local:
     summed = _psum_flat([leaves[i] for i in plan.full_precision], axes.name)
     for i, value in zip(plan.full_precision, summed, strict=True):
-      out[i] = value / divisor if mean else value
+      out[i] = (value / divisor if mean else value).astype(leaves[i].dtype)
 
   if plan.compressed:
-    vectors = plan.segment_vectors(leaves)
+    vectors = layout.segment_vectors(plan, leaves)
     if axes.inner:
       vectors = _reduce_scatter(vectors, plan.inner_size, axes.inner)
     if local_error is not None:
       vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
-    key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axes.names))
-    if plan.method == "two_phase":
-      two_phase = two_phase_sum(plan, vectors, key, divisor=divisor, owner_error=owner_error,
-                                want_sent_error=want_local_error)
-      results, sent_error, new_owner_error = (
-          two_phase.results, two_phase.sent_error, two_phase.owner_error)
-      payloads = {"first phase": tuple(two_phase.first_phase),
-                  "second phase": tuple(two_phase.second_phase)}
-    elif plan.method == "all_gather":
-      gathered = all_gather_sum(plan, vectors, key, divisor=divisor,
-                                want_sent_error=want_local_error)
-      results, sent_error = gathered.results, gathered.sent_error
-      payloads = {"payloads": tuple(gathered.payloads)}
+    key = base.as_key(key)
+    if axes.is_local:
+      results, sent_error = _roundtrip(plan, vectors, key, want_local_error)
     else:
-      results, sent_error = shared_scale_sum(plan, vectors, key, divisor=divisor,
-                                             want_sent_error=want_local_error)
+      key = jax.random.fold_in(key, jax.lax.axis_index(axes.names))
+      results, sent_error, new_owner_error, payloads = _outer_sum(
+          plan, vectors, key, divisor, owner_error, want_local_error)
     if axes.inner:
       results = _all_gather_flat(results, axes.inner)
-    for i, value in plan.segment_leaves(results).items():
-      out[i] = value
+    for i, value in layout.segment_leaves(plan, results).items():
+      out[i] = value.astype(leaves[i].dtype)
 
-  out = [value.astype(leaf.dtype) for value, leaf in zip(out, leaves, strict=True)]
   return Reduction(
       tree=jax.tree.unflatten(treedef, out),
       local_error=tuple(sent_error or ()) if want_local_error else None,
       owner_error=None if new_owner_error is None else tuple(new_owner_error),
       payloads=payloads,
   )
+
+
+def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array, *,
+                   local_error: tuple[jax.Array, ...] | None = None,
+                   want_local_error: bool = False) -> Reduction:
+  """Each device's shard of the sum of ``tree``, as the reduce-scatter plan says.
+
+  Like :func:`reduce`, for a plan of ``method="reduce_scatter"``: device ``j``
+  gets shard ``j`` of every leaf (along the plan's scatter dimension) summed
+  over the axis. Float leaves under the size threshold go by one fused
+  float32 ``psum_scatter``, integer ones by ``jax.lax.psum_scatter``; the
+  compressed ones by the two-phase method's first phase alone, an all-to-all
+  of packed pieces, the device's own piece added exactly.
+
+  Returns:
+    A :class:`Reduction` whose tree holds the shards; ``local_error`` as in
+    :func:`reduce`, ``owner_error`` ``None``.
+  """
+  axes_lib.check_varying(tree, plan.axes, plan.owner)
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  axis, n = plan.axes.outer, plan.outer_size
+  out = list(leaves)
+  sent_error, payloads = None, {}
+  for i in plan.integer:
+    out[i] = jax.lax.psum_scatter(leaves[i], axis, scatter_dimension=plan.scatter_dimension,
+                                  tiled=plan.tiled)
+  if plan.full_precision:
+    rows = [layout.scatter_rows(plan, leaves[i].astype(jnp.float32))
+            for i in plan.full_precision]
+    mine = jax.lax.psum_scatter(axes_lib.as_varying(jnp.concatenate(rows, axis=1), axis), axis,
+                                scatter_dimension=0, tiled=False)
+    for i, shard in zip(plan.full_precision, _split(mine, [r.shape[1] for r in rows]),
+                        strict=True):
+      out[i] = layout.output_leaf(plan, i, shard).astype(leaves[i].dtype)
+  if plan.compressed:
+    vectors = layout.segment_vectors(plan, leaves)
+    if local_error is not None:
+      vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
+    key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axis))
+    first = scatter_phase(plan, layout.join(plan, vectors), key,
+                          want_local_error or local_error is not None)
+    rows = layout.split(plan, first.owned, length=lambda segment: segment.length // n)
+    for i, shard in layout.segment_leaves(plan, rows).items():
+      out[i] = shard.astype(leaves[i].dtype)
+    sent_error, payloads = first.sent_error, {"first phase": tuple(first.payloads)}
+  want_local_error = want_local_error or local_error is not None
+  return Reduction(
+      tree=jax.tree.unflatten(treedef, out),
+      local_error=tuple(sent_error or ()) if want_local_error else None,
+      owner_error=None,
+      payloads=payloads,
+  )
+
+
+def _outer_sum(plan: ReductionPlan, vectors, key, divisor, owner_error, want_sent_error):
+  """The quantized sum over the outer axis, by the plan's method.
+
+  Returns ``(results, sent_error, owner_error, payloads)``.
+  """
+  if plan.method == "two_phase":
+    out = two_phase_sum(plan, vectors, key, divisor=divisor, owner_error=owner_error,
+                        want_sent_error=want_sent_error)
+    payloads = {"first phase": tuple(out.first_phase), "second phase": tuple(out.second_phase)}
+    return out.results, out.sent_error, out.owner_error, payloads
+  if plan.method == "all_gather":
+    out = all_gather_sum(plan, vectors, key, divisor=divisor, want_sent_error=want_sent_error)
+    return out.results, out.sent_error, None, {"payloads": tuple(out.payloads)}
+  results, sent_error = shared_scale_sum(plan, vectors, key, divisor=divisor,
+                                         want_sent_error=want_sent_error)
+  return results, sent_error, None, {}
+
+
+def _roundtrip(plan: ReductionPlan, vectors, key, want_sent_error):
+  """One device alone (no axis): each segment as the compressor sends it, no collective."""
+  blocks = layout.join(plan, vectors)
+  decoded = exchange.decode_blocks(
+      plan.compressor, exchange.encode_blocks(plan.compressor, key, blocks, batch_dims=2),
+      batch_dims=2)
+  results = layout.split(plan, decoded)
+  sent_error = None
+  if want_sent_error:
+    sent_error = layout.split(plan, [b - d for b, d in zip(blocks, decoded, strict=True)])
+  return results, sent_error
 
 
 def _psum_flat(leaves: list[jax.Array], axis_name) -> list[jax.Array]:
@@ -157,8 +239,8 @@ def _reduce_scatter(vectors: list[jax.Array], n: int, axes: tuple[str, ...]) -> 
 def _all_gather_flat(chunks: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
   """Inverse of :func:`_reduce_scatter`: every device gets every segment whole."""
   lengths = [c.size for c in chunks]
-  gathered = jax.lax.all_gather(
-      axes_lib.as_varying(jnp.concatenate(chunks), axes), axes, tiled=False, to="invarying")
+  gathered = axes_lib.all_gather_replicated(
+      axes_lib.as_varying(jnp.concatenate(chunks), axes), axes)
   return [g.reshape(-1) for g in _split(gathered, lengths, axis=1)]
 
 

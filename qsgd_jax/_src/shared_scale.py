@@ -15,6 +15,7 @@ compressors with a shared-scale form (:class:`~qsgd_jax.QSGD`,
 import jax
 import jax.numpy as jnp
 
+from qsgd_jax._src import layout
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -34,7 +35,7 @@ def shared_scale_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Arr
     ``sent_error`` is ``None`` unless asked for.
   """
   compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
-  blocks = [b[:, 0] for b in plan.join(vectors)]  # [batch, *element_shape]
+  blocks = [b[:, 0] for b in layout.join(plan, vectors)]  # [batch, *element_shape]
   signs = jnp.array([1.0 if how == "max" else -1.0 for how in compressor.scale_reductions])
   # One pmax for every block's scales, a "min" column negated (exactly). XLA:CPU's
   # max all-reduce skips NaN, so a NaN scale goes as +inf and stays non-finite.
@@ -58,7 +59,7 @@ def shared_scale_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Arr
   if want_sent_error:
     sent = [b - decoded(1, b, c, s) for b, c, s in zip(blocks, codes, shared, strict=True)]
 
-  return plan.split(summed), (plan.split(sent) if want_sent_error else None)
+  return layout.split(plan, summed), (layout.split(plan, sent) if want_sent_error else None)
 
 
 def _flat(arrays: list[jax.Array], dtype) -> jax.Array:

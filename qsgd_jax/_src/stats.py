@@ -22,18 +22,33 @@ class CompressionStats(NamedTuple):
       gradients (or, decentralized, parameters) would send:
       ``2 (n - 1) / n * 32`` a coordinate.
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
-    elias_bits: ``float32[]``, for QSGD's two-phase reduction, ``wire_bits``
-      as it would be if every payload the step sent were Elias-coded (the
-      smaller of the sparse and dense variants per bucket), float32 traffic
-      unchanged: see :func:`elias_wire_bits`. Averaged over the axis (one
-      scalar ``pmean``, counted in ``wire_bits``); NaN for other compressors
-      and methods, or when not tracked.
+    elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
+      every payload the step sent were Elias-coded (the smaller of the sparse
+      and dense variants per bucket), float32 traffic unchanged: see
+      :func:`elias_wire_bits`. Averaged over the axis (one scalar ``pmean``,
+      counted in ``wire_bits`` on the steps that measure it). Measured only
+      when asked for (``track_elias``), every step or every ``k`` steps and
+      held in between; NaN until first measured, when not asked for, and for
+      other compressors or the ``"psum"`` method.
+    outer_wire_bits: ``float32[]``, the part of ``wire_bits`` that crosses
+      the outer axis of a two-level ``axis_name=(outer, inner)``: the slow
+      links between nodes (all of it for one axis). A collective over every
+      axis counts ``1 / inner_size`` of its bits, what crosses the outer axis
+      when it runs hierarchically.
+    outer_compression_ratio: ``float32[]``, what a float32 all-reduce would
+      send across the outer axis, run hierarchically
+      (``2 (n - 1) / n * 32`` a coordinate over ``inner_size``), over
+      ``outer_wire_bits``: the slow link's own saving, the figure that
+      matters with two levels (``compression_ratio`` there also counts the
+      float32 traffic of the fast inner links).
   """
 
   wire_bits: jax.Array
   float32_bits: jax.Array
   compression_ratio: jax.Array
   elias_bits: jax.Array
+  outer_wire_bits: jax.Array
+  outer_compression_ratio: jax.Array
 
 
 def compression_stats(opt_state) -> CompressionStats | None:
@@ -56,16 +71,29 @@ def compression_stats(opt_state) -> CompressionStats | None:
   return found[0] if found else None
 
 
-def make(wire_bits, full_bits, elias_bits) -> CompressionStats:
-  """Stats from bit counts (Python numbers or traced scalars), with their ratio."""
+def make(wire_bits, full_bits, elias_bits, outer_wire_bits=None,
+         outer_full_bits=None) -> CompressionStats:
+  """Stats from bit counts (Python numbers or traced scalars), with their ratios.
+
+  The outer link's counts default to the totals (one axis).
+  """
   wire = jnp.asarray(wire_bits, jnp.float32)
   full = jnp.asarray(full_bits, jnp.float32)
+  outer = wire if outer_wire_bits is None else jnp.asarray(outer_wire_bits, jnp.float32)
+  outer_full = full if outer_full_bits is None else jnp.asarray(outer_full_bits, jnp.float32)
   return CompressionStats(
       wire_bits=wire,
       float32_bits=full,
       compression_ratio=full / wire,
       elias_bits=jnp.asarray(elias_bits, jnp.float32),
+      outer_wire_bits=outer,
+      outer_compression_ratio=outer_full / outer,
   )
+
+
+def empty() -> CompressionStats:
+  """Stats before any step: every field NaN."""
+  return make(jnp.nan, jnp.nan, jnp.nan)
 
 
 def elias_wire_bits(plan: ReductionPlan, sent: Reduction) -> jax.Array:

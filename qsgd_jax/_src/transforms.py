@@ -1,5 +1,7 @@
 """optax transformations that average gradients with a quantized all-reduce."""
 
+import math
+import warnings
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -49,7 +51,7 @@ def compressed_allreduce(
     method: plan.Method = "two_phase",
     min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
     axis_size: int | dict[str, int] | None = None,
-    track_elias: bool = True,
+    track_elias: bool | int = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Averages updates over ``axis_name`` with a quantized all-reduce.
 
@@ -114,8 +116,12 @@ def compressed_allreduce(
       worker error feedback over several axes), and only when ``init`` runs
       outside the mapped function, where the size cannot be read.
     track_elias: for QSGD with a method that sends payloads (``"two_phase"``,
-      ``"all_gather"``), compute :attr:`CompressionStats.elias_bits` every
-      step from the payloads the step sent (one extra pass over them).
+      ``"all_gather"``), measure :attr:`CompressionStats.elias_bits` from the
+      payloads the step sent: ``True`` every step, an int ``k`` every ``k``
+      steps (held in between). Off by default: it is one more pass over the
+      payloads plus a scalar all-reduce, which cost a default step about as
+      much as the reduction itself (``benchmarks/step_cost.py``); every 100
+      steps it costs about 1%.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` ignores
@@ -152,7 +158,11 @@ def compressed_allreduce(
   if owner_feedback and method != "two_phase":
     raise ValueError(
         f"owner error feedback needs method='two_phase': {method!r} has no piece owners.")
-  track_elias = track_elias and isinstance(compressor, QSGD) and method != "psum"
+  if not isinstance(track_elias, int) or track_elias < 0:
+    raise ValueError(
+        f"track_elias must be False, True, or a positive int (every so many steps), "
+        f"got {track_elias!r}.")
+  elias_every = int(track_elias) if isinstance(compressor, QSGD) and method != "psum" else 0
 
   def make_plan(tree, axis_sizes=None):
     return plan.make_plan(tree, axis_name, compressor, method=method,
@@ -164,22 +174,30 @@ def compressed_allreduce(
 
   def init_fn(params):
     reduction_plan = make_plan(params, _axis_sizes(axis_name, axis_size))
-    nan = jnp.full((), jnp.nan, jnp.float32)
     return CompressedAllReduceState(
         key=base.as_key(key),
         count=jnp.zeros((), jnp.int32),
         local_error=_zeros(reduction_plan.local_error_shapes()) if worker_feedback else (),
         chunk_error=_zeros(reduction_plan.owner_error_shapes()) if owner_feedback else (),
-        stats=stats.CompressionStats(nan, nan, nan, nan),
+        stats=stats.empty(),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     reduction_plan = make_plan(updates)
+    _warn_if_little_is_compressed(reduction_plan)
     next_key, step_key = jax.random.split(state.key)
-    devices = reduction_plan.num_devices
-    float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements, devices)
-    flag_bits = wire.float32_allreduce_bits(1, devices)
+    local = reduction_plan.axes.is_local
+    n, m = reduction_plan.outer_size, reduction_plan.inner_size
+    float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements, n * m)
+    outer_float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements / m, n)
+    # A scalar all-reduce over every axis: the non-finite flag, and the Elias mean.
+    scalar_bits = 0.0 if local else wire.float32_allreduce_bits(1, n * m)
+
+    def elias_bits_of(out):
+      # Each device's first-phase payloads are its own: one scalar pmean.
+      bits = stats.elias_wire_bits(reduction_plan, out)
+      return bits if local else jax.lax.pmean(bits, axis_name)
 
     def compressed(_):
       out = reduction.reduce(
@@ -189,30 +207,33 @@ def compressed_allreduce(
       )
       # A NaN or inf on one device must reach every device, as through lax.pmean; the
       # quantizers' scales need not carry it (XLA's row reductions may drop a NaN).
-      nonfinite_devices = jax.lax.psum(
-          jnp.logical_not(_all_finite(updates)).astype(jnp.float32), axis_name)
-      finite = nonfinite_devices == 0
-      mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype), out.tree)
-      wire_bits = reduction_plan.wire_bits + flag_bits
-      elias_bits = jnp.full((), jnp.nan, jnp.float32)
-      if track_elias:
-        # Each device's first-phase payloads are its own: one scalar pmean, counted too.
-        wire_bits += flag_bits
-        elias_bits = jax.lax.pmean(stats.elias_wire_bits(reduction_plan, out), axis_name)
-        elias_bits += 2 * flag_bits
+      nonfinite = jnp.logical_not(_all_finite(updates)).astype(jnp.float32)
+      finite = (nonfinite if local else jax.lax.psum(nonfinite, axis_name)) == 0
+      mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype)
+                          if _is_float(x) else x, out.tree)
+      wire_bits = reduction_plan.wire_bits + scalar_bits
+      outer_bits = reduction_plan.outer_wire_bits + scalar_bits / m
+      elias_bits = state.stats.elias_bits
+      if elias_every:
+        measured = state.count % elias_every == 0
+        elias_bits = jax.lax.cond(measured, lambda: elias_bits_of(out) + 2 * scalar_bits,
+                                  lambda: elias_bits)
+        wire_bits += jnp.where(measured, scalar_bits, 0.0)
+        outer_bits += jnp.where(measured, scalar_bits / m, 0.0)
       # A skipped step (optax.apply_if_finite after this transform) leaves the residuals.
       local_error = _where(finite, out.local_error, state.local_error) if worker_feedback else ()
       chunk_error = _where(finite, out.owner_error, state.chunk_error) if owner_feedback else ()
       return (mean, axes.as_varying(local_error, axis_name),
               axes.as_varying(chunk_error, axis_name),
-              stats.make(wire_bits, float32_bits, elias_bits))
+              stats.make(wire_bits, float32_bits, elias_bits, outer_bits, outer_float32_bits))
 
     def full_precision(_):
-      mean = jax.lax.pmean(updates, axis_name)
-      nan = jnp.full((), jnp.nan, jnp.float32)
+      mean = jax.tree.map(lambda x: jax.lax.pmean(x, axis_name) if _is_float(x) else x,
+                          updates) if not local else updates
       return (mean, axes.as_varying(state.local_error, axis_name),
               axes.as_varying(state.chunk_error, axis_name),
-              stats.make(float32_bits, float32_bits, nan))
+              stats.make(float32_bits, float32_bits, state.stats.elias_bits,
+                         outer_float32_bits, outer_float32_bits))
 
     if warmup_steps:
       mean, local_error, chunk_error, step_stats = jax.lax.cond(
@@ -252,7 +273,10 @@ def qsgd(
     bucket_size: coordinates sharing one scale; ``None`` for one per piece.
     norm: ``"max"`` or ``"l2"``.
     key: PRNG key or int seed.
-    **kwargs: more options of :func:`compressed_allreduce`.
+    **kwargs: more options of :func:`compressed_allreduce`: ``method``,
+      ``min_compressed_size`` (leaves with fewer elements, 4096 by default,
+      go in float32: biases and norm scales), ``error_feedback``,
+      ``warmup_steps``, ``axis_size``, ``track_elias``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -337,5 +361,31 @@ def _where(condition, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...]):
   return tuple(jnp.where(condition, n, o) for n, o in zip(new, old, strict=True))
 
 
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
 def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+  """Whether every float leaf of ``tree`` is finite (integer leaves always are)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                            if _is_float(leaf)] or [jnp.bool_(True)]))
+
+
+# Plans already warned about, so that each tree is warned about once.
+_WARNED: set[plan.ReductionPlan] = set()
+
+
+def _warn_if_little_is_compressed(reduction_plan: plan.ReductionPlan) -> None:
+  """Warns, once a tree, when under half of its elements would travel compressed."""
+  compressed = sum(math.prod(reduction_plan.leaf_shapes[i]) for i in reduction_plan.compressed)
+  total = reduction_plan.num_elements
+  if reduction_plan in _WARNED or not total or 2 * compressed >= total:
+    return
+  _WARNED.add(reduction_plan)
+  largest = max(math.prod(shape) for shape in reduction_plan.leaf_shapes)
+  warnings.warn(
+      f"compressed_allreduce: only {compressed} of the {total} elements of the updates are "
+      f"in leaves of min_compressed_size={reduction_plan.min_compressed_size} or more, so "
+      f"{100 * (1 - compressed / total):.0f}% travel in float32 and the step saves little "
+      f"(the largest leaf has {largest} elements). Lower min_compressed_size to quantize "
+      "smaller leaves.", stacklevel=3)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, exchange, serialize
+from qsgd_jax._src import base, exchange, layout, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -69,19 +69,14 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
   Returns:
     A :class:`TwoPhaseOutput`.
   """
-  compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
+  compressor, axis = plan.compressor, plan.axes.outer
   index = jax.lax.axis_index(axis)
   send_key, gather_key = jax.random.split(key)
-  blocks = plan.join(vectors)  # [batch, n, ...]: row j goes to device j.
+  blocks = layout.join(plan, vectors)  # [batch, n, ...]: row j goes to device j.
 
   # Phase 1: piece j goes to device j, which adds its own piece as it is.
-  first = exchange.encode_blocks(compressor, send_key, blocks, batch_dims=2)
-  send = jnp.concatenate([exchange.device_rows(payload, n) for payload in first], axis=1)
-  received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
-  owned = []
-  for block, decoded in zip(blocks, exchange.decode_rows(plan, received), strict=True):
-    own = jax.lax.dynamic_index_in_dim(block, index, axis=1, keepdims=False)
-    owned.append(exchange.sum_rows(jnp.where(_piece_mask(index, n, decoded.ndim, 0), own, decoded)))
+  first = scatter_phase(plan, blocks, send_key, want_sent_error)
+  owned = first.owned
   if divisor != 1:
     owned = [o / divisor for o in owned]
   if owner_error is not None:
@@ -92,21 +87,66 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
       jax.vmap(serialize.to_words)(p).reshape(-1)
       for p in exchange.encode_blocks(compressor, gather_key, owned)
   ])
-  gathered_words = jax.lax.all_gather(mine, axis, tiled=False, to="invarying")
+  gathered_words = axes_lib.all_gather_replicated(mine, axis)
   second = exchange.payload_rows(plan, gathered_words)
   gathered = exchange.decode_blocks(compressor, second, batch_dims=2)  # [n, batch, ...]
-  results = plan.split([jnp.swapaxes(g, 0, 1) for g in gathered])
+  results = layout.split(plan, [jnp.swapaxes(g, 0, 1) for g in gathered])
 
   new_owner_error = None
   if owner_error is not None:
     new_owner_error = [o - jax.lax.dynamic_index_in_dim(g, index, keepdims=False)
                        for o, g in zip(owned, gathered, strict=True)]
+  return TwoPhaseOutput(results, first.sent_error, new_owner_error, first.payloads, second)
+
+
+class ScatterPhase(NamedTuple):
+  """What :func:`scatter_phase` returns.
+
+  Attributes:
+    owned: for each block, ``float32[batch, *element_shape]``: the sum of
+      every device's piece ``j`` on device ``j``.
+    sent_error: for each segment, ``float32[length]``: what this device's
+      quantization dropped, zero on its own piece (``None`` unless asked for).
+    payloads: for each block, the payloads this device sent, ``[batch, n, ...]``.
+  """
+
+  owned: list[jax.Array]
+  sent_error: list[jax.Array] | None
+  payloads: list[base.Payload]
+
+
+def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
+                  want_sent_error: bool) -> ScatterPhase:
+  """The first phase, a quantized reduce-scatter: piece ``j`` of every block to device ``j``.
+
+  Device ``j`` decodes the pieces the others sent and adds its own piece
+  ``j`` as it is: it never crossed the wire.
+
+  Args:
+    plan: the reduction's plan (two-phase or reduce-scatter).
+    blocks: ``[batch, n, *element_shape]`` a block, from :func:`layout.join`.
+    key: this device's PRNG key for the encode.
+    want_sent_error: return what the quantization dropped.
+
+  Returns:
+    A :class:`ScatterPhase`.
+  """
+  compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
+  index = jax.lax.axis_index(axis)
+  payloads = exchange.encode_blocks(compressor, key, blocks, batch_dims=2)
+  send = jnp.concatenate([exchange.device_rows(payload, n) for payload in payloads], axis=1)
+  received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
+  owned = []
+  for block, decoded in zip(blocks, exchange.decode_rows(plan, received), strict=True):
+    own = jax.lax.dynamic_index_in_dim(block, index, axis=1, keepdims=False)
+    mask = _piece_mask(index, n, decoded.ndim, 0)
+    owned.append(exchange.sum_rows(jnp.where(mask, own, decoded)))
   sent_error = None
   if want_sent_error:
-    decoded = exchange.decode_blocks(compressor, first, batch_dims=2)
-    sent_error = plan.split([jnp.where(_piece_mask(index, n, b.ndim, 1), 0.0, b - d)
-                             for b, d in zip(blocks, decoded, strict=True)])
-  return TwoPhaseOutput(results, sent_error, new_owner_error, first, second)
+    decoded = exchange.decode_blocks(compressor, payloads, batch_dims=2)
+    sent_error = layout.split(plan, [jnp.where(_piece_mask(index, n, b.ndim, 1), 0.0, b - d)
+                                     for b, d in zip(blocks, decoded, strict=True)])
+  return ScatterPhase(owned, sent_error, payloads)
 
 
 def _piece_mask(index: jax.Array, n: int, ndim: int, axis: int) -> jax.Array:

@@ -1,0 +1,97 @@
+"""Moving a tree's leaves into a reduction plan's segments and blocks, and back.
+
+The plan (``plan.py``) decides the layout from static shapes; these functions
+move the arrays. A segment is its leaves in float32, each zero-padded to
+whole runs, end to end (for the reduce-scatter: ``n`` rows, row ``j`` holding
+shard ``j`` of each leaf); a block stacks segments as ``[batch, rows,
+*element_shape]``, row ``j`` of a two-phase block being the piece for device
+``j``.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qsgd_jax._src.plan import REDUCE_SCATTER, ReductionPlan
+
+
+def segment_vectors(plan: ReductionPlan, leaves: list[jax.Array]) -> list[jax.Array]:
+  """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded)."""
+  if plan.method == REDUCE_SCATTER:
+    return [_shard_rows(plan, segment, leaves) for segment in plan.segments]
+  vectors = []
+  for segment in plan.segments:
+    ends = (*segment.offsets[1:], segment.full_length)
+    vectors.append(jnp.concatenate([
+        jnp.pad(leaves[i].astype(jnp.float32).reshape(-1),
+                (0, end - offset - math.prod(plan.leaf_shapes[i])))
+        for i, offset, end in zip(segment.leaves, segment.offsets, ends, strict=True)]))
+  return vectors
+
+
+def segment_leaves(plan: ReductionPlan, vectors: list[jax.Array]) -> dict[int, jax.Array]:
+  """Each compressed leaf, float32 in its output shape, by its index.
+
+  The inverse of :func:`segment_vectors`; for the reduce-scatter, ``vectors``
+  are this device's rows, ``float32[length // n]`` a segment, and the leaves
+  its shards.
+  """
+  leaves = {}
+  for segment, vector in zip(plan.segments, vectors, strict=True):
+    for i, offset in zip(segment.leaves, segment.offsets, strict=True):
+      leaves[i] = output_leaf(plan, i, vector[offset : offset + math.prod(plan.output_shape(i))])
+  return leaves
+
+
+def output_leaf(plan: ReductionPlan, i: int, flat: jax.Array) -> jax.Array:
+  """Leaf ``i`` in its output shape, from its elements in row order.
+
+  For a tiled reduce-scatter the row order has the scatter dimension first
+  (:func:`scatter_rows`); it is moved back.
+  """
+  shape = plan.output_shape(i)
+  if plan.method == REDUCE_SCATTER and plan.tiled:
+    d = plan.scatter_dimension
+    return jnp.moveaxis(flat.reshape((shape[d], *shape[:d], *shape[d + 1:])), 0, d)
+  return flat.reshape(shape)
+
+
+def scatter_rows(plan: ReductionPlan, leaf: jax.Array) -> jax.Array:
+  """Reduce-scatter: ``[n, shard size]``, row ``j`` the leaf's shard ``j`` (dimension first)."""
+  return jnp.moveaxis(leaf, plan.scatter_dimension, 0).reshape(plan.outer_size, -1)
+
+
+def _shard_rows(plan: ReductionPlan, segment, leaves: list[jax.Array]) -> jax.Array:
+  """A reduce-scatter segment: its leaves' shards end to end in ``n`` rows, flattened."""
+  width = segment.length // plan.outer_size
+  ends = (*segment.offsets[1:], width)
+  rows = [scatter_rows(plan, leaves[i].astype(jnp.float32)) for i in segment.leaves]
+  return jnp.concatenate(
+      [jnp.pad(r, ((0, 0), (0, end - offset - r.shape[1])))
+       for r, offset, end in zip(rows, segment.offsets, ends, strict=True)], axis=1).reshape(-1)
+
+
+def join(plan: ReductionPlan, vectors: list[jax.Array]) -> list[jax.Array]:
+  """``[batch, rows, *element_shape]`` a block, from each segment's ``float32[length]``."""
+  blocks = []
+  for block in plan.blocks:
+    size = block.rows * block.width
+    blocks.append(jnp.stack([
+        jnp.pad(vectors[k], (0, size - vectors[k].size)).reshape(block.rows, *block.element_shape)
+        for k in block.segments]))
+  return blocks
+
+
+def split(plan: ReductionPlan, blocks: list[jax.Array], length=None) -> list[jax.Array]:
+  """Inverse of :func:`join`: each segment's vector, padding dropped.
+
+  A block may come as ``[batch, rows, ...]`` or ``[batch, ...]``; each vector
+  is cut to ``length(segment)`` elements, by default the segment's length.
+  """
+  vectors = [None] * len(plan.segments)
+  for block, data in zip(plan.blocks, blocks, strict=True):
+    for b, k in enumerate(block.segments):
+      segment = plan.segments[k]
+      vectors[k] = data[b].reshape(-1)[: segment.length if length is None else length(segment)]
+  return vectors
