@@ -40,6 +40,8 @@ SUITE = (
      ["--size", "1048576", "--keys", "32"], ["--size", "65536", "--keys", "8"]),
     ("Wire bytes from the HLO and step times (8 simulated CPU devices)", "collectives.py", False,
      [], ["--small"]),
+    ("The compressed step's own cost, stage by stage (2 simulated CPU devices)",
+     "step_cost.py", False, [], ["--width-divisor", "4", "--repeats", "3"]),
     ("Error feedback for 1-bit SGD on digits", "error_feedback.py", False, [],
      ["--seeds", "2", "--steps", "100"]),
     ("Alpha-beta cost model", "cost_model.py", False,
