@@ -7,8 +7,12 @@ with one of:
 * ``float32``: ``jax.lax.pmean``, the reference;
 * ``qsgd_4bit``: ``qsgd_jax.qsgd`` (4 bits, buckets of 512, max norm);
 * ``onebit_none``, ``onebit_worker``, ``onebit_owner``, ``onebit_both``:
-  ``qsgd_jax.onebit_sgd`` with ``error_feedback`` ``False``, ``"worker"``,
-  ``"owner"`` and ``"both"``.
+  ``qsgd_jax.onebit_sgd`` in buckets of 512 with ``error_feedback``
+  ``False``, ``"worker"``, ``"owner"`` and ``"both"``;
+* ``onebit_rows_worker``, ``onebit_rows_both``: one bucket a row
+  (``bucket_size=None``, CNTK's per-column quantization), and
+  ``onebit_rows_both_cntk``, which also quantizes each device's own piece:
+  CNTK's aggregator with its defaults.
 
 Both weight matrices (8192 and 1280 elements) are compressed
 (``min_compressed_size=1024``); the biases travel in float32. After the
@@ -75,6 +79,13 @@ MODES = {
         AXIS, error_feedback="owner", min_compressed_size=MIN_COMPRESSED_SIZE),
     "onebit_both": lambda: qsgd_jax.onebit_sgd(
         AXIS, error_feedback="both", min_compressed_size=MIN_COMPRESSED_SIZE),
+    "onebit_rows_worker": lambda: qsgd_jax.onebit_sgd(
+        AXIS, bucket_size=None, error_feedback="worker", min_compressed_size=MIN_COMPRESSED_SIZE),
+    "onebit_rows_both": lambda: qsgd_jax.onebit_sgd(
+        AXIS, bucket_size=None, error_feedback="both", min_compressed_size=MIN_COMPRESSED_SIZE),
+    "onebit_rows_both_cntk": lambda: qsgd_jax.onebit_sgd(
+        AXIS, bucket_size=None, error_feedback="both", exact_own_piece=False,
+        min_compressed_size=MIN_COMPRESSED_SIZE),
 }
 
 

@@ -38,6 +38,7 @@ def quantized_psum(
     *,
     method: plan.Method = "two_phase",
     min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    exact_own_piece: bool = True,
 ):
   """Sums a pytree over ``axis_name``, sending compressed payloads.
 
@@ -90,6 +91,10 @@ def quantized_psum(
     method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``.
     min_compressed_size: float leaves with fewer elements are summed in full
       precision.
+    exact_own_piece: two-phase: each device adds its own piece of the first
+      phase unquantized, as QSGD-TF does (it never crosses the wire, so
+      nothing of it need be lost); ``False`` quantizes it like the others, as
+      CNTK's aggregator does by default (``useQuantizationForSelfStripe``).
 
   Returns:
     A pytree like ``tree``: the sum over the axis, in each leaf's dtype.
@@ -114,7 +119,7 @@ def quantized_psum(
   """
   reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
                                   min_compressed_size=min_compressed_size,
-                                  owner="quantized_psum")
+                                  owner="quantized_psum", exact_own_piece=exact_own_piece)
   return reduction.reduce(reduction_plan, tree, key, mean=False).tree
 
 
@@ -126,6 +131,7 @@ def quantized_pmean(
     *,
     method: plan.Method = "two_phase",
     min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    exact_own_piece: bool = True,
 ):
   """Averages a pytree over ``axis_name``, sending compressed payloads.
 
@@ -147,7 +153,7 @@ def quantized_pmean(
   """
   reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
                                   min_compressed_size=min_compressed_size,
-                                  owner="quantized_pmean")
+                                  owner="quantized_pmean", exact_own_piece=exact_own_piece)
   return reduction.reduce(reduction_plan, tree, key, mean=True).tree
 
 

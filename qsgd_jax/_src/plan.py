@@ -151,6 +151,9 @@ class ReductionPlan:
     scatter_dimension: the reduce-scatter's dimension of every leaf.
     tiled: the reduce-scatter keeps that dimension (of ``size / n``) rather
       than removing it (of size ``n``).
+    exact_own_piece: in the two-phase method's first phase, each device adds
+      its own piece unquantized (it never crosses the wire); ``False``
+      quantizes it like the others, as CNTK does by default.
   """
 
   leaf_shapes: tuple[tuple[int, ...], ...]
@@ -163,6 +166,7 @@ class ReductionPlan:
   owner: str
   scatter_dimension: int = 0
   tiled: bool = False
+  exact_own_piece: bool = True
 
   @property
   def outer_size(self) -> int:
@@ -402,6 +406,7 @@ def make_plan(
     owner: str = "quantized reduction",
     scatter_dimension: int = 0,
     tiled: bool = False,
+    exact_own_piece: bool = True,
 ) -> ReductionPlan:
   """The :class:`ReductionPlan` of reducing ``tree`` over ``axis_name``.
 
@@ -415,6 +420,7 @@ def make_plan(
       every axis must be bound (``jax.lax.axis_size``).
     owner: the public function asking, named in errors.
     scatter_dimension, tiled: the reduce-scatter's, as ``jax.lax.psum_scatter``'s.
+    exact_own_piece: see :class:`ReductionPlan`.
 
   Returns:
     A plan, cached: the same arguments give the same object.
@@ -451,8 +457,10 @@ def make_plan(
     for path, shape in zip((p for p, _ in leaves), shapes, strict=True):
       _check_scatter(shape, scatter_dimension, tiled, sizes[0], owner,
                      jax.tree_util.keystr(path) or "<root>")
+  if not isinstance(exact_own_piece, bool):
+    raise TypeError(f"{owner}: exact_own_piece must be a bool, got {exact_own_piece!r}.")
   return _cached_plan(shapes, dtypes, axes, sizes, compressor, method, min_compressed_size,
-                      owner, scatter_dimension, tiled)
+                      owner, scatter_dimension, tiled, exact_own_piece)
 
 
 def _check_scatter(shape, dimension: int, tiled: bool, n: int, owner: str, name: str) -> None:

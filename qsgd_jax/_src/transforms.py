@@ -52,6 +52,7 @@ def compressed_allreduce(
     min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
     axis_size: int | dict[str, int] | None = None,
     track_elias: bool | int = False,
+    exact_own_piece: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Averages updates over ``axis_name`` with a quantized all-reduce.
 
@@ -122,6 +123,8 @@ def compressed_allreduce(
       payloads plus a scalar all-reduce, which cost a default step about as
       much as the reduction itself (``benchmarks/step_cost.py``); every 100
       steps it costs about 1%.
+    exact_own_piece: as in :func:`~qsgd_jax.quantized_psum`: ``False``
+      quantizes each device's own piece too, as CNTK's aggregator does.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` ignores
@@ -167,7 +170,7 @@ def compressed_allreduce(
   def make_plan(tree, axis_sizes=None):
     return plan.make_plan(tree, axis_name, compressor, method=method,
                           min_compressed_size=min_compressed_size, axis_sizes=axis_sizes,
-                          owner="compressed_allreduce")
+                          owner="compressed_allreduce", exact_own_piece=exact_own_piece)
 
   # Fails at construction, not at the first step, for a bad compressor, method or axis.
   make_plan((), axis_sizes={})

@@ -106,7 +106,8 @@ class ScatterPhase(NamedTuple):
     owned: for each block, ``float32[batch, *element_shape]``: the sum of
       every device's piece ``j`` on device ``j``.
     sent_error: for each segment, ``float32[length]``: what this device's
-      quantization dropped, zero on its own piece (``None`` unless asked for).
+      quantization dropped, zero on its own piece if that is exact (``None``
+      unless asked for).
     payloads: for each block, the payloads this device sent, ``[batch, n, ...]``.
   """
 
@@ -120,7 +121,8 @@ def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
   """The first phase, a quantized reduce-scatter: piece ``j`` of every block to device ``j``.
 
   Device ``j`` decodes the pieces the others sent and adds its own piece
-  ``j`` as it is: it never crossed the wire.
+  ``j`` as it is, since it never crossed the wire (with the plan's
+  ``exact_own_piece``, the default; else decoded like the others).
 
   Args:
     plan: the reduction's plan (two-phase or reduce-scatter).
@@ -138,14 +140,17 @@ def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
   received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
   owned = []
   for block, decoded in zip(blocks, exchange.decode_rows(plan, received), strict=True):
-    own = jax.lax.dynamic_index_in_dim(block, index, axis=1, keepdims=False)
-    mask = _piece_mask(index, n, decoded.ndim, 0)
-    owned.append(exchange.sum_rows(jnp.where(mask, own, decoded)))
+    if plan.exact_own_piece:
+      own = jax.lax.dynamic_index_in_dim(block, index, axis=1, keepdims=False)
+      decoded = jnp.where(_piece_mask(index, n, decoded.ndim, 0), own, decoded)
+    owned.append(exchange.sum_rows(decoded))
   sent_error = None
   if want_sent_error:
     decoded = exchange.decode_blocks(compressor, payloads, batch_dims=2)
-    sent_error = layout.split(plan, [jnp.where(_piece_mask(index, n, b.ndim, 1), 0.0, b - d)
-                                     for b, d in zip(blocks, decoded, strict=True)])
+    errors = [b - d for b, d in zip(blocks, decoded, strict=True)]
+    if plan.exact_own_piece:
+      errors = [jnp.where(_piece_mask(index, n, e.ndim, 1), 0.0, e) for e in errors]
+    sent_error = layout.split(plan, errors)
   return ScatterPhase(owned, sent_error, payloads)
 
 
