@@ -307,17 +307,32 @@ def onebit_sgd(
   """1-bit SGD (Seide et al. 2014): sign bits, bucket means, error feedback.
 
   ``compressed_allreduce(OneBit(bucket_size), axis_name, error_feedback=...)``.
-  The default keeps each worker's residual, CNTK's scheme; the comparison of
-  ``"worker"``, ``"owner"`` and ``"both"`` on digits is in
-  ``benchmarks/error_feedback.py``.
+
+  CNTK's ``AllReduceDistGradAggregator`` quantizes each column of a gradient
+  matrix on its own (a row here: ``bucket_size=None``), keeps a residual on
+  every worker *and* on every stripe owner's re-quantized sum, and quantizes
+  the owner's own stripe too: ``onebit_sgd(axis_name, bucket_size=None,
+  error_feedback="both", exact_own_piece=False)`` reproduces it to float
+  rounding (``tests/fidelity_test.py``).
+
+  The defaults are what trained best in ``benchmarks/error_feedback.py``
+  (digits, an MLP on 8 devices, 5 seeds x 300 SGD steps; test accuracy):
+  float32 97.00 +- 0.41; worker residuals 96.67 +- 0.44 with buckets of 512
+  or with rows; both residuals 95.2 +- 2.2 (buckets) and 96.4 +- 1.0 (rows);
+  CNTK's defaults 96.2 +- 1.3; owner residuals alone 83.6 +- 9.7; none
+  94.9 +- 0.4. Buckets of 512 send fewer scales than short rows for the same
+  accuracy.
 
   Args:
     axis_name: the mapped axis to average over.
     key: PRNG key or int seed (1-bit quantization is deterministic; the key
       is kept for a uniform interface).
-    bucket_size: elements sharing the two reconstruction values.
-    error_feedback: as in :func:`compressed_allreduce`.
-    **kwargs: more options of :func:`compressed_allreduce`.
+    bucket_size: elements sharing the two reconstruction values; ``None``
+      for one bucket a row of each leaf's last axis, as CNTK.
+    error_feedback: as in :func:`compressed_allreduce`; ``"worker"`` by
+      default.
+    **kwargs: more options of :func:`compressed_allreduce`, e.g.
+      ``exact_own_piece``, ``min_compressed_size``, ``warmup_steps``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
