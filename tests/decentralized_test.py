@@ -209,6 +209,37 @@ def test_hierarchical_stats_count_the_bytes_the_hlo_sends(num_nodes):
   assert stats.wire_bits == 8 * qsgd_jax.wire_bytes(hlo)
   kinds = {c.kind for c in qsgd_jax.collectives_in_hlo(hlo)}
   assert kinds == {"all-reduce", "all-gather", "collective-permute"}
+  # Between nodes only the pieces travel: the ring's collective-permutes.
+  between_nodes = sum(c.bytes_sent for c in qsgd_jax.collectives_in_hlo(hlo)
+                      if c.kind == "collective-permute")
+  assert stats.outer_wire_bits == 8 * between_nodes
+
+
+@pytest.mark.parametrize("compressor", [qsgd_jax.OneBit(bucket_size=4),
+                                        qsgd_jax.OneBit(bucket_size=None)],
+                         ids=["buckets", "rows"])
+def test_no_bucket_straddles_two_leaves(compressor):
+  """One Bagua bucket of leaves: each leaf quantized as alone (deterministic 1-bit codes)."""
+  optimizer = low_precision_decentralized(optax.sgd(1.0), AXIS, compressor=compressor)
+  rng = np.random.default_rng(2)
+  grads = {"a": rng.normal(size=(2, 3, 7)).astype(np.float32),
+           "b": rng.normal(size=(2, 5)).astype(np.float32)}
+  params = jax.tree.map(np.zeros_like, grads)
+
+  def first_update(grads, params):
+    return optimizer.update(grads, optimizer.init(params), params)[0]
+
+  updates = jax.vmap(first_update, axis_name=AXIS)(grads, params)
+  for name, grad in grads.items():
+    for worker in range(2):  # Replicas start equal to params: the step is Q(-g).
+      step = -grad[worker]
+      if compressor.bucket_size is None:
+        alone = compressor.decode(compressor.encode(jax.random.key(0), step))
+      else:
+        padded = np.pad(step.reshape(-1), (0, -step.size % compressor.bucket_size))
+        alone = compressor.decode(compressor.encode(jax.random.key(0), padded))[: step.size]
+      np.testing.assert_allclose(updates[name][worker].reshape(-1),
+                                 np.asarray(alone).reshape(-1), rtol=1e-6, atol=1e-7)
 
 
 def test_second_step_does_not_recompile():

@@ -5,7 +5,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from qsgd_jax._src import axes, base, serialize, stats, wire
@@ -78,9 +77,11 @@ def low_precision_decentralized(
   The differences are sent in Bagua's buckets: the leaves, in the order of
   ``jax.tree.leaves``, join a bucket whole until it holds ``bucket_bytes`` or
   more (Bagua's default bucketing, 10 MiB); each bucket is flattened,
-  concatenated in float32 and encoded as one vector, so one minimum and
+  concatenated in float32 and encoded as one array, so one minimum and
   maximum of the default compressor covers a whole bucket of leaves, as in
-  Bagua. All buckets' payloads travel as one ``uint32`` buffer, sent to each
+  Bagua. A compressor whose scales cover runs of elements (QSGD's buckets,
+  OneBit's rows) gets each leaf padded to whole runs, so that no run
+  straddles two leaves. All buckets' payloads travel as one ``uint32`` buffer, sent to each
   neighbour with one ``jax.lax.ppermute``. The update returned is
   :math:`Q(z_i)` decoded from the same payload, so ``optax.apply_updates``
   gives :math:`x_{i,t+1}`; the receivers add the same decoded values to
@@ -254,26 +255,25 @@ def low_precision_decentralized(
             leaves, treedef.flatten_up_to(local_steps), lefts, rights, strict=True)
     ]
     buckets = _buckets([x.size * x.dtype.itemsize for x in leaves], bucket_bytes)
+    arrays = _arrays([x.shape for x in leaves], buckets, compressor)
     payloads = [
-        compressor.encode(jax.random.fold_in(worker_key, b),
-                          jnp.concatenate([differences[k].astype(jnp.float32).reshape(-1)
-                                           for k in bucket]))
-        for b, bucket in enumerate(buckets)
+        compressor.encode(jax.random.fold_in(worker_key, b), _joined(array, differences))
+        for b, array in enumerate(arrays)
     ]
     templates = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
                  for p in payloads]
     # All buckets travel as one uint32 buffer: one ppermute a direction.
     words = jnp.concatenate([serialize.to_words(p) for p in payloads])
-    from_left, from_right, wire_bits = _exchange(
+    from_left, from_right, ring_bits, node_bits = _exchange(
         words, ring_axis, size, local_axes, local_size)
     if local_axes:
-      wire_bits += 2 * (local_size - 1) / local_size * 32 * sum(x.size for x in leaves)
+      node_bits += wire.float32_allreduce_bits(sum(x.size for x in leaves), local_size)
 
-    def as_leaves(decoded_buckets):
+    def as_leaves(decoded_arrays):
       out = [None] * len(leaves)
-      for bucket, flat in zip(buckets, decoded_buckets, strict=True):
-        starts = np.cumsum([0] + [leaves[k].size for k in bucket])
-        for k, start in zip(bucket, starts, strict=False):
+      for array, decoded in zip(arrays, decoded_arrays, strict=True):
+        flat = decoded.reshape(-1)
+        for k, start in zip(array.leaves, array.offsets, strict=True):
           out[k] = flat[start : start + leaves[k].size].reshape(leaves[k].shape)
       return out
 
@@ -300,8 +300,11 @@ def low_precision_decentralized(
         left_replica=treedef.unflatten(new_lefts),
         right_replica=treedef.unflatten(new_rights),
         key=key,
-        stats=stats.make(wire_bits, wire.float32_allreduce_bits(
-            sum(x.size for x in leaves), size * local_size), jnp.nan),
+        stats=stats.make(
+            ring_bits + node_bits,
+            wire.float32_allreduce_bits(sum(x.size for x in leaves), size * local_size), jnp.nan,
+            ring_bits, wire.float32_allreduce_bits(sum(x.size for x in leaves) / local_size,
+                                                   size)),
     )
     return treedef.unflatten(new_updates), new_state
 
@@ -323,12 +326,16 @@ def _buckets(leaf_bytes: list[int], bucket_bytes: int | None) -> list[list[int]]
 
 
 def _exchange(words, ring_axis, size: int, local_axes: tuple, local_size: int):
-  """Sends ``words`` to both ring neighbours: what came from the left, from the right, and bits.
+  """Sends ``words`` to both ring neighbours.
 
   Worker ``i`` sends to ``i + 1`` along ``to_right``, so what arrives came
   from its left peer; with two workers the one message serves as both. In
   hierarchical mode each device of a node sends its piece of the buffer and
   an ``all_gather`` over the local axes joins the pieces received.
+
+  Returns:
+    What came from the left and from the right, and the bits a device sent
+    to other nodes and inside its node.
   """
   to_right = [(i, (i + 1) % size) for i in range(size)]
   to_left = [(i, (i - 1) % size) for i in range(size)]
@@ -336,7 +343,7 @@ def _exchange(words, ring_axis, size: int, local_axes: tuple, local_size: int):
   if not local_axes:
     from_left = jax.lax.ppermute(words, ring_axis, to_right)
     from_right = from_left if size == 2 else jax.lax.ppermute(words, ring_axis, to_left)
-    return from_left, from_right, messages * 32 * words.size
+    return from_left, from_right, messages * 32 * words.size, 0.0
   piece = math.ceil(words.size / local_size)
   padded = jnp.pad(words, (0, piece * local_size - words.size))
   mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(local_axes) * piece, piece)
@@ -347,9 +354,54 @@ def _exchange(words, ring_axis, size: int, local_axes: tuple, local_size: int):
 
   from_left = receive(to_right)
   from_right = from_left if size == 2 else receive(to_left)
-  # Each message: the piece to the neighbouring node, then the all-gather's
-  # (k - 1) / k of the k pieces inside the node.
-  return from_left, from_right, messages * 32 * piece * local_size
+  # Each message: the piece to the neighbouring node, then inside the node the
+  # all-gather's (k - 1) / k of the k pieces.
+  return from_left, from_right, messages * 32 * piece, messages * 32 * piece * (local_size - 1)
+
+
+class _Array(NamedTuple):
+  """Leaves of one bucket encoded together: end to end, each padded to whole runs.
+
+  Attributes:
+    leaves: the leaves' indices.
+    offsets: each leaf's first element.
+    run: the compressor's bucket length for these leaves
+      (:meth:`~qsgd_jax.Compressor.bucket_length`), or ``None`` where one scale
+      spans the array, as Bagua's one minimum and maximum span its bucket.
+    length: elements, padding included.
+  """
+
+  leaves: tuple[int, ...]
+  offsets: tuple[int, ...]
+  run: int | None
+  length: int
+
+
+def _arrays(shapes, buckets: list[list[int]], compressor: base.Compressor) -> list[_Array]:
+  """The arrays each bucket is encoded as: its leaves by run length, no run across two."""
+  arrays = []
+  for bucket in buckets:
+    by_run = {}
+    for k in bucket:
+      by_run.setdefault(compressor.bucket_length(shapes[k]), []).append(k)
+    for run, members in by_run.items():
+      offsets, end = [], 0
+      for k in members:
+        offsets.append(end)
+        end += -(-math.prod(shapes[k]) // (run or 1)) * (run or 1)
+      arrays.append(_Array(tuple(members), tuple(offsets), run, end))
+  return arrays
+
+
+def _joined(array: _Array, leaves: list[jax.Array]) -> jax.Array:
+  """The array's leaves in float32, end to end, as ``[runs, run]`` (or a vector)."""
+  ends = (*array.offsets[1:], array.length)
+  joined = jnp.concatenate([
+      jnp.pad(leaves[k].astype(jnp.float32).reshape(-1), (0, end - offset - leaves[k].size))
+      for k, offset, end in zip(array.leaves, array.offsets, ends, strict=True)])
+  return joined if array.run is None else joined.reshape(-1, array.run)
+
+
 def consensus_distance(params: optax.Params, axis_name: Any) -> jax.Array:
   r"""How far the workers' models are from their average.
 
