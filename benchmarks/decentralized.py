@@ -37,9 +37,10 @@ from error_feedback import (  # noqa: E402  (sets 8 devices before JAX picks a b
   AXIS,
   NUM_DEVICES,
   evaluate,
+  float32_pmean,
   init_params,
   load_data,
-  loss,
+  run_steps,
 )
 
 import qsgd_jax  # noqa: E402
@@ -57,23 +58,12 @@ def make_train(mode: str, steps: int, batch_size: int, learning_rate: float):
   """A pmapped ``(params, x, y, key) -> (averaged params, relative consensus distance)``."""
   local_step = optax.sgd(learning_rate, momentum=0.9)
   if MODES[mode] is None:
-    tx = optax.chain(optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda updates, state, params=None: (jax.lax.pmean(updates, AXIS), state)), local_step)
+    tx = optax.chain(float32_pmean(), local_step)
   else:
     tx = qsgd_jax.low_precision_decentralized(local_step, AXIS, compressor=MODES[mode])
 
   def train(params, x, y, key):
-    key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-
-    def step(carry, step_key):
-      params, state = carry
-      index = jax.random.randint(step_key, (batch_size,), 0, x.shape[0])
-      grads = jax.grad(loss)(params, x[index], y[index])
-      updates, state = tx.update(grads, state, params)
-      return (optax.apply_updates(params, updates), state), None
-
-    (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
+    params = run_steps(tx, params, x, y, key, steps, batch_size)
     average = qsgd_jax.averaged_params(params, AXIS)
     norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(average)))
     return average, qsgd_jax.consensus_distance(params, AXIS) / norm

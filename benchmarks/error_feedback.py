@@ -60,7 +60,7 @@ HIDDEN = 128
 MIN_COMPRESSED_SIZE = 1024
 
 
-def _pmean() -> optax.GradientTransformation:
+def float32_pmean() -> optax.GradientTransformation:
   """The float32 reference: a plain ``pmean`` of the gradients."""
   return optax.GradientTransformation(
       lambda params: optax.EmptyState(),
@@ -69,7 +69,7 @@ def _pmean() -> optax.GradientTransformation:
 
 
 MODES = {
-    "float32": _pmean,
+    "float32": float32_pmean,
     "qsgd_4bit": lambda: qsgd_jax.qsgd(AXIS, min_compressed_size=MIN_COMPRESSED_SIZE),
     "onebit_none": lambda: qsgd_jax.onebit_sgd(
         AXIS, error_feedback=False, min_compressed_size=MIN_COMPRESSED_SIZE),
@@ -122,6 +122,21 @@ def loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
 
 
+def run_steps(tx, params, x, y, key, steps: int, batch_size: int):
+  """Inside ``pmap``: ``steps`` steps of ``tx`` on batches this device draws from its data."""
+  key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+
+  def step(carry, step_key):
+    params, state = carry
+    index = jax.random.randint(step_key, (batch_size,), 0, x.shape[0])
+    grads = jax.grad(loss)(params, x[index], y[index])
+    updates, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
+  return params
+
+
 def make_train(mode: str, steps: int, batch_size: int, optimizer: str, learning_rate: float):
   """A pmapped ``(params, x, y, key) -> params`` running ``steps`` steps."""
   inner = (optax.sgd(learning_rate, momentum=0.9) if optimizer == "sgd"
@@ -129,17 +144,7 @@ def make_train(mode: str, steps: int, batch_size: int, optimizer: str, learning_
   tx = optax.chain(MODES[mode](), inner)
 
   def train(params, x, y, key):
-    key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-
-    def step(carry, step_key):
-      params, state = carry
-      index = jax.random.randint(step_key, (batch_size,), 0, x.shape[0])
-      grads = jax.grad(loss)(params, x[index], y[index])
-      updates, state = tx.update(grads, state, params)
-      return (optax.apply_updates(params, updates), state), None
-
-    (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), jax.random.split(key, steps))
-    return params
+    return run_steps(tx, params, x, y, key, steps, batch_size)
 
   return jax.pmap(train, axis_name=AXIS)
 
