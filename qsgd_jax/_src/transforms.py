@@ -1,6 +1,6 @@
 """optax transformations that average gradients with a quantized all-reduce."""
 
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +139,9 @@ def compressed_allreduce(
     Interspeech 2014; Karimireddy et al., `Error Feedback Fixes SignSGD
     <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
+  base.check_static_options(
+      "qsgd_jax.compressed_allreduce", warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size)
   if not (isinstance(error_feedback, bool)
           or (isinstance(error_feedback, str) and error_feedback in ("worker", "owner", "both"))):
     raise ValueError(
@@ -238,7 +241,13 @@ def qsgd(
     bucket_size: int | None = 512,
     norm: Literal["max", "l2"] = "max",
     key: jax.Array | int = 0,
-    **kwargs: Any,
+    *,
+    error_feedback: ErrorFeedback = False,
+    warmup_steps: int = 0,
+    method: plan.Method = "two_phase",
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    axis_size: int | dict[str, int] | None = None,
+    track_elias: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """QSGD (Alistarh et al. 2017): gradients averaged with the QSGD quantizer.
 
@@ -251,11 +260,21 @@ def qsgd(
     bits: bits a coordinate; ``2**(bits - 1) - 1`` levels.
     bucket_size: coordinates sharing one scale; ``None`` for one per piece.
     norm: ``"max"`` or ``"l2"``.
-    key: PRNG key or int seed.
-    **kwargs: more options of :func:`compressed_allreduce`.
+    key: PRNG key or integer seed.
+    error_feedback: as in :func:`compressed_allreduce`.
+    warmup_steps: as in :func:`compressed_allreduce`.
+    method: as in :func:`compressed_allreduce`.
+    min_compressed_size: as in :func:`compressed_allreduce`.
+    axis_size: as in :func:`compressed_allreduce`.
+    track_elias: as in :func:`compressed_allreduce`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
+
+  Under ``optax.inject_hyperparams`` only ``key`` may be traced: name the
+  other numeric options in ``static_args``,
+  ``static_args=("bits", "bucket_size", "warmup_steps", "min_compressed_size")``
+  (and ``"axis_size"`` if given); the error says so too.
 
   Examples:
     >>> import optax, qsgd_jax
@@ -265,8 +284,14 @@ def qsgd(
     Alistarh et al., `QSGD: Communication-Efficient SGD via Gradient
     Quantization and Encoding <https://arxiv.org/abs/1610.02132>`_, 2017.
   """
+  base.check_static_options(
+      "qsgd_jax.qsgd", bits=bits, bucket_size=bucket_size, warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size)
   compressor = QSGD(bits=bits, bucket_size=bucket_size, norm=norm)
-  return compressed_allreduce(compressor, axis_name, key=key, **kwargs)
+  return compressed_allreduce(
+      compressor, axis_name, key=key, error_feedback=error_feedback,
+      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
+      axis_size=axis_size, track_elias=track_elias)
 
 
 def onebit_sgd(
@@ -275,7 +300,11 @@ def onebit_sgd(
     *,
     bucket_size: int | None = 512,
     error_feedback: ErrorFeedback = "worker",
-    **kwargs: Any,
+    warmup_steps: int = 0,
+    method: plan.Method = "two_phase",
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    axis_size: int | dict[str, int] | None = None,
+    track_elias: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """1-bit SGD (Seide et al. 2014): sign bits, bucket means, error feedback.
 
@@ -290,7 +319,11 @@ def onebit_sgd(
       is kept for a uniform interface).
     bucket_size: elements sharing the two reconstruction values.
     error_feedback: as in :func:`compressed_allreduce`.
-    **kwargs: more options of :func:`compressed_allreduce`.
+    warmup_steps: as in :func:`compressed_allreduce`.
+    method: as in :func:`compressed_allreduce`.
+    min_compressed_size: as in :func:`compressed_allreduce`.
+    axis_size: as in :func:`compressed_allreduce`.
+    track_elias: as in :func:`compressed_allreduce`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -303,9 +336,13 @@ def onebit_sgd(
     Seide et al., `1-Bit Stochastic Gradient Descent and its Application to
     Data-Parallel Distributed Training of Speech DNNs`, Interspeech 2014.
   """
+  base.check_static_options(
+      "qsgd_jax.onebit_sgd", bucket_size=bucket_size, warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size)
   return compressed_allreduce(
-      OneBit(bucket_size=bucket_size), axis_name, key=key,
-      error_feedback=error_feedback, **kwargs,
+      OneBit(bucket_size=bucket_size), axis_name, key=key, error_feedback=error_feedback,
+      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
+      axis_size=axis_size, track_elias=track_elias,
   )
 
 
