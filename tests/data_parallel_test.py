@@ -210,7 +210,9 @@ def test_aux_extra_arguments_and_donation():
 
 def test_two_level_mesh_quantizes_over_the_outer_axis():
   axis_names = ("node", "local")
-  mesh = jax.make_mesh((2, NUM_DEVICES // 2), axis_names)
+  # Auto axes here, Explicit ones (jax.make_mesh's default) elsewhere: both work.
+  mesh = jax.make_mesh((2, NUM_DEVICES // 2), axis_names,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
   tx = optax.chain(qsgd_jax.onebit_sgd(axis_names, error_feedback="worker"),
                    optax.sgd(0.05, momentum=0.9))
   # By default the batch is split over every axis of the mesh, outer first.

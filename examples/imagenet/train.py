@@ -274,8 +274,8 @@ def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
   if config.parallelism == "jit":
     data_parallel = qsgd_jax.data_parallel(
         functools.partial(loss_fn, apply_fn=model.apply), tx, mesh, AXIS, has_aux=True)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                       apply_fn=model.apply, params=params, tx=tx,
+    zero = jax.make_array_from_callback((), replicated, lambda index: np.zeros((), np.int32))
+    state = TrainState(step=zero, apply_fn=model.apply, params=params, tx=tx,
                        opt_state=data_parallel.init(params), batch_stats=batch_stats)
     specs = _state_specs(state, stacked)
     train = jax.jit(functools.partial(jit_train_step, learning_rate_fn=learning_rate_fn,

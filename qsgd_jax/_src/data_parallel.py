@@ -54,7 +54,7 @@ def data_parallel(
   in three lines, and its hand-written step goes::
 
     tx = optax.chain(qsgd_jax.qsgd("batch"), optax.adam(1e-3))  # was optax.adam(1e-3)
-    init, train_step = qsgd_jax.data_parallel(loss_fn, tx, mesh)
+    init, train_step, abstract_state = qsgd_jax.data_parallel(loss_fn, tx, mesh)
     opt_state = init(params)  # was tx.init(params)
     for batch in batches:
       batch = jax.device_put(batch, NamedSharding(mesh, P("batch")))
