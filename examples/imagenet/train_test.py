@@ -146,3 +146,20 @@ def test_a_resumed_run_equals_an_uninterrupted_run(parallelism, tmp_path):
     np.testing.assert_array_equal(got, expected)
   assert np.asarray(final["opt_state"][0]["local_error"][0]).any()  # The residuals came back.
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
+
+
+@pytest.mark.parametrize("dataset", ["digits", "fake"])
+def test_train_batches_resume_at_a_step(dataset):
+  config = smoke.get_config()
+  config.dataset = dataset
+  config.image_size = 8
+  # Past the end of an epoch of digits (1437 images, 22 batches of 64).
+  start_step, num_batches = 20, 5
+  stream = input_pipeline.train_batches(config)
+  expected = [next(stream) for _ in range(start_step + num_batches)][start_step:]
+  resumed = input_pipeline.train_batches(config, start_step)
+  for batch in expected:
+    got = next(resumed)
+    assert got.keys() == batch.keys()
+    for key in batch:
+      np.testing.assert_array_equal(got[key], batch[key])
