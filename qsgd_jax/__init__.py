@@ -5,7 +5,8 @@ Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
 (:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
 :func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
-:func:`low_precision_decentralized`, :func:`accumulate_gradients`).
+:func:`low_precision_decentralized`, :func:`accumulate_gradients`), and a
+``jax.jit`` training step over a mesh that uses them (:func:`data_parallel`).
 """
 
 from qsgd_jax import elias
@@ -14,6 +15,7 @@ from qsgd_jax._src.axes import as_varying
 from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
 from qsgd_jax._src.baselines import Cast, Identity
 from qsgd_jax._src.collectives import quantized_pmean, quantized_psum, quantized_psum_scatter
+from qsgd_jax._src.data_parallel import DataParallel, data_parallel
 from qsgd_jax._src.decentralized import (
     LowPrecisionDecentralizedState,
     averaged_params,
@@ -43,6 +45,7 @@ __all__ = (
     "CompressedAllReduceState",
     "CompressionStats",
     "Compressor",
+    "DataParallel",
     "EliasSize",
     "Identity",
     "LowPrecisionDecentralizedState",
@@ -59,6 +62,7 @@ __all__ = (
     "compressed_allreduce",
     "compression_stats",
     "consensus_distance",
+    "data_parallel",
     "elias",
     "low_precision_decentralized",
     "onebit_sgd",

@@ -101,6 +101,7 @@ def main(argv):
   for mode in FLAGS.modes:
     config = FLAGS.config.copy_and_resolve_references()
     config.compression = mode
+    config.checkpoint_every_steps = 0  # Every run starts afresh, whatever the workdir holds.
     summaries.append(train.train_and_evaluate(config, str(workdir / mode)))
   wall = time.perf_counter() - start
   config = FLAGS.config

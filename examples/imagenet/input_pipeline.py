@@ -75,14 +75,22 @@ def local_batch_size(global_batch_size: int) -> int:
   return global_batch_size // jax.process_count()
 
 
-def train_batches(config) -> Iterator[Batch]:
-  """An endless stream of this process's training batches."""
+def train_batches(config, start_step: int = 0) -> Iterator[Batch]:
+  """An endless stream of this process's training batches, from batch ``start_step`` on.
+
+  A stream that starts at ``start_step`` (a run resumed from a checkpoint)
+  yields what the stream from 0 yields from its ``start_step``-th batch on:
+  the same arrays for digits and fake data (functions of ``config.seed``);
+  for a TensorFlow dataset, the same examples in the same order, but the
+  random crops and flips are drawn afresh (they are not seeded, resumed or
+  not).
+  """
   batch_size = local_batch_size(config.batch_size)
   if config.dataset == "digits":
-    return _digits_train(config, batch_size)
+    return _digits_train(config, batch_size, start_step)
   if config.dataset == "fake":
     return _fake(config, batch_size)
-  return _tfds_batches(config, batch_size, train=True)
+  return _tfds_batches(config, batch_size, train=True, skip=start_step)
 
 
 def eval_batches(config, num_batches: int) -> Iterator[Batch]:
@@ -144,17 +152,21 @@ def _digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   return images[:num_train], labels[:num_train], images[num_train:], labels[num_train:]
 
 
-def _digits_train(config, batch_size: int) -> Iterator[Batch]:
+def _digits_train(config, batch_size: int, start_step: int) -> Iterator[Batch]:
   """Shuffled digits, each shifted by up to one pixel in each direction."""
   images, labels, _, _ = _digits()
   rng = np.random.default_rng(config.seed)  # The same order on every process.
   start = jax.process_index() * batch_size
   padded = np.pad(images, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=images.min())
   height, width = images.shape[1:3]
+  step = 0
   while True:
     order = rng.permutation(len(images))
     for first in range(0, len(order) - config.batch_size + 1, config.batch_size):
       shifts = rng.integers(0, 3, size=(config.batch_size, 2))[start : start + batch_size]
+      step += 1
+      if step <= start_step:  # Drawn all the same, so that later batches are the same.
+        continue
       rows = order[first + start : first + start + batch_size]
       shifted = np.stack([padded[row, dy : dy + height, dx : dx + width]
                           for row, (dy, dx) in zip(rows, shifts, strict=True)])
@@ -178,8 +190,12 @@ def _tfds_builder(config):
   return tfds.builder(config.dataset, data_dir=config.data_dir)
 
 
-def _tfds_batches(config, batch_size: int, *, train: bool) -> Iterator[Batch]:
-  """This process's share of an image-classification split, decoded and normalized."""
+def _tfds_batches(config, batch_size: int, *, train: bool, skip: int = 0) -> Iterator[Batch]:
+  """This process's share of an image-classification split, decoded and normalized.
+
+  Training skips the first ``skip`` batches (read and dropped: the shuffle's
+  order is fixed by ``config.seed``).
+  """
   import tensorflow as tf
   import tensorflow_datasets as tfds
 
@@ -198,7 +214,7 @@ def _tfds_batches(config, batch_size: int, *, train: bool) -> Iterator[Batch]:
     return {"image": image, "label": tf.cast(example["label"], tf.int32)}
 
   dataset = dataset.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-  dataset = dataset.batch(batch_size, drop_remainder=train).prefetch(config.prefetch)
+  dataset = dataset.batch(batch_size, drop_remainder=train).skip(skip).prefetch(config.prefetch)
   return iter(tfds.as_numpy(dataset))
 
 

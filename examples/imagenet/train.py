@@ -5,9 +5,15 @@ The training step is the usual data-parallel one, with one change: the
 chain averages the gradients instead, compressing what it sends (see
 ``create_optimizer``). BatchNorm averages its batch statistics over the same
 axis, and the metrics are averaged with ``lax.pmean``. The step runs under
-``jax.pmap`` or ``jax.shard_map`` (``config.parallelism``).
+``jax.pmap`` or ``jax.shard_map``, or is a ``jax.jit`` step over a mesh made by
+``qsgd_jax.data_parallel`` (``config.parallelism``).
+
+The state is checkpointed with orbax every ``config.checkpoint_every_steps``
+steps and at the end, into ``workdir/checkpoints``; a run started in a
+workdir that has checkpoints resumes from the latest, its data where it was.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import tqdm
 from flax import jax_utils
 from flax.training import train_state
@@ -32,7 +39,7 @@ from examples.imagenet import input_pipeline, models
 
 AXIS = "batch"
 COMPRESSIONS = ("fp32", "bf16", "qsgd4", "qsgd8", "minmax8", "onebit", "decentralized8")
-PARALLELISMS = ("pmap", "shard_map")
+PARALLELISMS = ("pmap", "shard_map", "jit")
 
 
 class TrainState(train_state.TrainState):
@@ -48,9 +55,15 @@ def create_model(config: ml_collections.ConfigDict, num_classes: int):
 
 def initialized(key: jax.Array, image_shape: tuple[int, ...], model):
   """The model's initial ``params`` and ``batch_stats``."""
-  init = jax.jit(functools.partial(model.init, train=False))
-  variables = init(key, jnp.ones((1, *image_shape), model.dtype))
+  variables = _jitted_init(model)(key, jnp.ones((1, *image_shape), model.dtype))
   return variables["params"], variables["batch_stats"]
+
+
+@functools.cache
+def _jitted_init(model):
+  # One compiled initializer for equal models (linen modules compare by their fields):
+  # runs after the first in a process, such as compare.py's, skip its long compilation.
+  return jax.jit(functools.partial(model.init, train=False))
 
 
 def create_learning_rate_fn(config: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -108,34 +121,53 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def loss_fn(params, batch, batch_stats, apply_fn):
+  """One device's mean loss, and its ``(accuracy, new batch_stats)``."""
+  logits, updated = apply_fn(
+      {"params": params, "batch_stats": batch_stats},
+      batch["image"], train=True, mutable=["batch_stats"],
+  )
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+  return cross_entropy(logits, batch["label"]).mean(), (accuracy, updated["batch_stats"])
+
+
+def wire_metrics(opt_state) -> dict[str, jax.Array]:
+  """What the optimizer's gradient averaging sent in the last step, in bytes."""
+  stats = qsgd_jax.compression_stats(opt_state)
+  if stats is None:
+    return {}
+  return {
+      "wire_bytes": stats.wire_bits / 8,
+      "fp32_wire_bytes": stats.float32_bits / 8,
+      "elias_wire_bytes": stats.elias_bits / 8,
+  }
+
+
 def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
   """One step on one device's share of the batch; call it under pmap or shard_map."""
-
-  def loss_fn(params):
-    logits, updated = state.apply_fn(
-        {"params": params, "batch_stats": state.batch_stats},
-        batch["image"], train=True, mutable=["batch_stats"],
-    )
-    return cross_entropy(logits, batch["label"]).mean(), (logits, updated["batch_stats"])
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(loss_fn, apply_fn=state.apply_fn), has_aux=True)
   # Each device's own gradient: under shard_map, that of its own (varying) copy of the params.
-  (loss, (logits, batch_stats)), grads = grad_fn(qsgd_jax.as_varying(state.params, AXIS))
+  (loss, (accuracy, batch_stats)), grads = grad_fn(
+      qsgd_jax.as_varying(state.params, AXIS), batch, state.batch_stats)
   # No lax.pmean(grads, AXIS) here: the optimizer's first transform averages them.
   state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
-  metrics = {
-      "loss": loss,
-      "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
-      "learning_rate": learning_rate_fn(state.step - 1),
-  }
-  stats = qsgd_jax.compression_stats(state.opt_state)
-  if stats is not None:
-    metrics |= {
-        "wire_bytes": stats.wire_bits / 8,
-        "fp32_wire_bytes": stats.float32_bits / 8,
-        "elias_wire_bytes": stats.elias_bits / 8,
-    }
-  return state, jax.lax.pmean(metrics, AXIS)
+  metrics = {"loss": loss, "accuracy": accuracy, "learning_rate": learning_rate_fn(state.step - 1)}
+  return state, jax.lax.pmean(metrics | wire_metrics(state.opt_state), AXIS)
+
+
+def jit_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
+                   data_parallel_step: Callable):
+  """One step over the whole batch, under ``jax.jit``; ``data_parallel_step`` from data_parallel.
+
+  ``data_parallel_step`` differentiates :func:`loss_fn` on each device's share
+  and applies the averaged updates; its loss and accuracy come back averaged.
+  """
+  params, opt_state, (loss, (accuracy, batch_stats)) = data_parallel_step(
+      state.params, state.opt_state, batch, state.batch_stats)
+  metrics = {"loss": loss, "accuracy": accuracy, "learning_rate": learning_rate_fn(state.step)}
+  state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                        batch_stats=batch_stats)
+  return state, metrics | wire_metrics(opt_state)
 
 
 def eval_step(state: TrainState, batch, average_params: bool):
@@ -179,10 +211,11 @@ class Mapped(NamedTuple):
 def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
   """The mapped functions, and the initial state on every device.
 
-  Under shard_map the state is replicated (``P()``) except for the
+  Under shard_map and jit the state is replicated (``P()``) except for the
   compressor's per-device residuals (:func:`qsgd_jax.state_partition_specs`).
   Decentralized training keeps one model per device: there the whole state is
   stacked along a leading device axis (``P(AXIS)``), as pmap keeps it anyway.
+  The jit step is :func:`jit_train_step`; evaluation runs under shard_map.
 
   Returns:
     ``(mapped, state)``: a :class:`Mapped` and the initial :class:`TrainState`.
@@ -233,16 +266,28 @@ def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
       lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
       jax.device_get((params, batch_stats)),
   )
-  specs = _state_specs(jax.eval_shape(init, params, batch_stats), stacked)
   shard = functools.partial(jax.shard_map, mesh=mesh)
 
   def put_batch(batch):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(split, x), batch)
 
-  state = jax.jit(shard(init, in_specs=(P(), P()), out_specs=specs))(params, batch_stats)
+  if config.parallelism == "jit":
+    data_parallel = qsgd_jax.data_parallel(
+        functools.partial(loss_fn, apply_fn=model.apply), tx, mesh, AXIS, has_aux=True)
+    zero = jax.make_array_from_callback((), replicated, lambda index: np.zeros((), np.int32))
+    state = TrainState(step=zero, apply_fn=model.apply, params=params, tx=tx,
+                       opt_state=data_parallel.init(params), batch_stats=batch_stats)
+    specs = _state_specs(state, stacked)
+    train = jax.jit(functools.partial(jit_train_step, learning_rate_fn=learning_rate_fn,
+                                      data_parallel_step=data_parallel.step),
+                    donate_argnums=(0,))
+  else:
+    specs = _state_specs(jax.eval_shape(init, params, batch_stats), stacked)
+    state = jax.jit(shard(init, in_specs=(P(), P()), out_specs=specs))(params, batch_stats)
+    train = jax.jit(shard(step, in_specs=(specs, P(AXIS)), out_specs=(specs, P())),
+                    donate_argnums=(0,))
   mapped = Mapped(
-      train_step=jax.jit(shard(step, in_specs=(specs, P(AXIS)), out_specs=(specs, P())),
-                         donate_argnums=(0,)),
+      train_step=train,
       eval_step=jax.jit(shard(evaluate, in_specs=(specs, P(AXIS)), out_specs=P())),
       put_batch=put_batch,
   )
@@ -274,6 +319,40 @@ def wire_bytes_from_hlo(compiled_step) -> dict[str, float]:
   return by_kind
 
 
+def checkpoint_manager(workdir: pathlib.Path, config):
+  """Orbax's manager of ``workdir/checkpoints``, or a null context if checkpoints are off.
+
+  It saves every ``config.checkpoint_every_steps`` steps (and, when forced, at
+  the end) and keeps the latest two; ``config.checkpoint_every_steps <= 0``
+  turns checkpoints, and resuming, off. Use it in a ``with`` statement: leaving
+  it waits for the saves in flight.
+  """
+  if config.checkpoint_every_steps <= 0:
+    return contextlib.nullcontext()
+  return ocp.CheckpointManager(
+      (workdir / "checkpoints").absolute(),
+      options=ocp.CheckpointManagerOptions(
+          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
+              config.checkpoint_every_steps),
+          preservation_policy=ocp.checkpoint_managers.LatestN(2),
+      ),
+  )
+
+
+def restore_checkpoint(checkpoints, state: TrainState) -> tuple[TrainState, int]:
+  """The latest checkpoint's state and step, or ``state`` and 0 if there is none.
+
+  ``state`` is the freshly initialized state: its arrays' shapes, dtypes and
+  shardings are the restore target, so each array comes back laid out as
+  training lays it out.
+  """
+  step = checkpoints.latest_step() if checkpoints is not None else None
+  if step is None:
+    return state, 0
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  return checkpoints.restore(step, args=ocp.args.StandardRestore(target)), step
+
+
 def evaluate(mapped: Mapped, state: TrainState, config, num_batches: int) -> dict[str, float]:
   """Loss and accuracy on the evaluation split, padding left out."""
   totals: dict[str, float] = {}
@@ -293,14 +372,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Args:
     config: hyperparameters, e.g. from ``configs/default.py``.
-    workdir: where the metrics go (created if needed).
+    workdir: where the metrics and checkpoints go (created if needed); a run
+      resumes from the latest checkpoint there.
 
   Returns:
-    The summary: ``steps``, ``final_train_loss`` (the mean of the last logging
+    The summary: ``steps``, ``first_step`` (the checkpoint's step the run
+    resumed from, or 0), ``final_train_loss`` (the mean of the last logging
     window), ``eval_accuracy``, ``wire_bytes_per_step`` (what one device sends
     for the gradients each step), ``fp32_wire_bytes_per_step`` (the same for a
     float32 all-reduce), their ratio, the bytes read from the compiled HLO, and
-    timings.
+    timings of this process's steps.
   """
   _check_config(config)
   workdir = pathlib.Path(workdir)
@@ -320,54 +401,68 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   params, batch_stats = initialized(jax.random.key(config.seed), info.image_shape, model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   mapped, state = parallelize(config, model, tx, learning_rate_fn, params, batch_stats)
+  with checkpoint_manager(workdir, config) as checkpoints:
+    state, first_step = restore_checkpoint(checkpoints, state)
+    train_records = _metrics_before(workdir / "metrics.jsonl", first_step) if is_main else []
 
-  batches = map(mapped.put_batch, input_pipeline.train_batches(config))
-  batch = next(batches)
-  start = time.perf_counter()
-  compiled_step = mapped.train_step.lower(state, batch).compile()
-  # pmap's compiled program takes global arrays: across processes, call pmap itself.
-  multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
-  train_step = mapped.train_step if multiprocess_pmap else compiled_step
-  hlo_bytes = wire_bytes_from_hlo(compiled_step)
-  compile_seconds = time.perf_counter() - start
-  num_devices = jax.device_count()
-  # XLA's CPU collectives give up after a while: one step at a time there.
-  block_every_step = jax.default_backend() == "cpu"
+    batches = map(mapped.put_batch, input_pipeline.train_batches(config, first_step))
+    batch = next(batches)
+    start = time.perf_counter()
+    compiled_step = mapped.train_step.lower(state, batch).compile()
+    # pmap's compiled program takes global arrays: across processes, call pmap itself.
+    multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
+    train_step = mapped.train_step if multiprocess_pmap else compiled_step
+    hlo_bytes = wire_bytes_from_hlo(compiled_step)
+    compile_seconds = time.perf_counter() - start
+    num_devices = jax.device_count()
+    # XLA's CPU collectives give up after a while: one step at a time there.
+    block_every_step = jax.default_backend() == "cpu"
 
-  metrics_file = (workdir / "metrics.jsonl").open("w") if is_main else None
-  window, window_start, train_seconds, last_window = [], time.perf_counter(), 0.0, []
-  eval_metrics: dict[str, float] = {}
-  progress = tqdm.trange(num_steps, desc=config.compression, disable=not is_main)
-  for step in progress:
-    state, metrics = train_step(state, batch)
-    if block_every_step:
-      jax.block_until_ready((state, metrics))
-    window.append(metrics)
-    if step + 1 < num_steps:
-      batch = next(batches)
-    done = step + 1
-    if done % config.log_every_steps == 0 or done == num_steps:
-      records = [{name: _scalar(value) for name, value in m.items()} for m in window]
-      elapsed = time.perf_counter() - window_start
-      train_seconds += elapsed
-      for offset, record in enumerate(records):
-        record["step"] = done - len(records) + offset + 1
-        record["steps_per_second"] = len(records) / elapsed
-        record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
-        _write(metrics_file, record)
-      progress.set_postfix(loss=f"{records[-1]['loss']:.3f}",
-                           accuracy=f"{records[-1]['accuracy']:.3f}",
-                           steps_per_second=f"{len(records) / elapsed:.1f}")
-      last_window, window = records, []
-      window_start = time.perf_counter()
-    if done % eval_every == 0 or done == num_steps:
+    metrics_file = (workdir / "metrics.jsonl").open("a") if is_main else None
+    window, window_start, train_seconds = [], time.perf_counter(), 0.0
+    eval_metrics: dict[str, float] = {}
+    progress = tqdm.trange(first_step, num_steps, initial=first_step, total=num_steps,
+                           desc=config.compression, disable=not is_main)
+    for step in progress:
+      state, metrics = train_step(state, batch)
+      if block_every_step:
+        jax.block_until_ready((state, metrics))
+      window.append(metrics)
+      if step + 1 < num_steps:
+        batch = next(batches)
+      done = step + 1
+      if done % config.log_every_steps == 0 or done == num_steps:
+        records = [{name: _scalar(value) for name, value in m.items()} for m in window]
+        elapsed = time.perf_counter() - window_start
+        train_seconds += elapsed
+        for offset, record in enumerate(records):
+          record["step"] = done - len(records) + offset + 1
+          record["steps_per_second"] = len(records) / elapsed
+          record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
+          _write(metrics_file, record)
+        progress.set_postfix(loss=f"{records[-1]['loss']:.3f}",
+                             accuracy=f"{records[-1]['accuracy']:.3f}",
+                             steps_per_second=f"{len(records) / elapsed:.1f}")
+        train_records += records
+        window = []
+        window_start = time.perf_counter()
+      if done % eval_every == 0 or done == num_steps:
+        eval_metrics = evaluate(mapped, state, config, num_eval_batches)
+        _write(metrics_file, {"step": done, **eval_metrics})
+        window_start = time.perf_counter()
+      if checkpoints is not None:
+        saving_start = time.perf_counter()
+        checkpoints.save(done, args=ocp.args.StandardSave(state), force=done == num_steps)
+        window_start += time.perf_counter() - saving_start  # Not training time.
+    progress.close()
+    if metrics_file is not None:
+      metrics_file.close()
+    if not eval_metrics:  # Resumed where the run had ended: nothing trained.
       eval_metrics = evaluate(mapped, state, config, num_eval_batches)
-      _write(metrics_file, {"step": done, **eval_metrics})
-      window_start = time.perf_counter()
-  progress.close()
-  if metrics_file is not None:
-    metrics_file.close()
 
+  # The last logging window: the steps after the last multiple of log_every_steps.
+  last_window_start = (num_steps - 1) // config.log_every_steps * config.log_every_steps
+  last_window = [r for r in train_records if r["step"] > last_window_start]
   last = last_window[-1]
   summary = {
       "compression": config.compression,
@@ -378,6 +473,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "num_processes": jax.process_count(),
       "num_params": num_params,
       "steps": num_steps,
+      "first_step": first_step,
       "final_train_loss": float(np.mean([r["loss"] for r in last_window])),
       "final_train_accuracy": float(np.mean([r["accuracy"] for r in last_window])),
       **eval_metrics,
@@ -387,7 +483,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
-      "steps_per_second": num_steps / train_seconds,
+      "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,
       "train_seconds": train_seconds,
       "compile_seconds": compile_seconds,
   }
@@ -403,6 +499,23 @@ def _check_config(config) -> None:
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"config.parallelism must be one of {PARALLELISMS}, "
                      f"got {config.parallelism!r}.")
+  if config.parallelism == "jit" and config.compression == "decentralized8":
+    raise ValueError("config.compression 'decentralized8' keeps one model per device, but "
+                     "config.parallelism 'jit' replicates the params: use 'pmap' or 'shard_map'.")
+
+
+def _metrics_before(path: pathlib.Path, first_step: int) -> list[dict[str, Any]]:
+  """Keeps the records of steps up to ``first_step`` in ``path``; returns those of training.
+
+  A run resumed from a checkpoint logs the steps after it again: the records a
+  previous run wrote for them go.
+  """
+  kept = []
+  if first_step and path.exists():
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = [record for record in kept if record["step"] <= first_step]
+  path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+  return [record for record in kept if "loss" in record]
 
 
 def _scalar(value) -> float:

@@ -2,9 +2,11 @@
 
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from examples.imagenet import input_pipeline, train
@@ -44,8 +46,13 @@ def initial_variables():
   return train.initialized(jax.random.key(0), info.image_shape, model)
 
 
-@pytest.mark.parametrize("parallelism", train.PARALLELISMS)
-@pytest.mark.parametrize("compression", train.COMPRESSIONS)
+# Every mode under pmap and shard_map; the jit step (qsgd_jax.data_parallel) with the two
+# kinds of state, none and error feedback (decentralized8 needs a model per device).
+_STEP_CASES = [(compression, parallelism) for compression in train.COMPRESSIONS
+               for parallelism in ("pmap", "shard_map")] + [("qsgd4", "jit"), ("onebit", "jit")]
+
+
+@pytest.mark.parametrize("compression, parallelism", _STEP_CASES)
 def test_train_steps(compression, parallelism, initial_variables):
   config = _fake_data_config(compression, parallelism)
   model = train.create_model(config, input_pipeline.dataset_info(config).num_classes)
@@ -91,3 +98,68 @@ def test_train_and_evaluate_writes_metrics_and_summary(tmp_path):
   for key in REQUIRED_METRICS:
     assert all(key in r for r in train_records), key
   assert any("eval_accuracy" in r for r in records)
+
+
+def test_jit_with_a_model_per_device_is_a_config_error(tmp_path):
+  with pytest.raises(ValueError, match="'decentralized8' keeps one model per device"):
+    train.train_and_evaluate(_fake_data_config("decentralized8", "jit"), str(tmp_path))
+
+
+def _checkpoint(workdir, step):
+  """The saved state as a tree of numpy arrays (PRNG keys as their data)."""
+  with ocp.CheckpointManager((workdir / "checkpoints").absolute()) as checkpoints:
+    saved = checkpoints.restore(step, args=ocp.args.StandardRestore())
+  return jax.tree.map(
+      lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+          x.dtype, jax.dtypes.prng_key) else x), saved)
+
+
+def _records_without_timings(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+  return [{key: value for key, value in record.items() if key != "steps_per_second"}
+          for record in records]
+
+
+@pytest.mark.parametrize("parallelism", train.PARALLELISMS)
+def test_a_resumed_run_equals_an_uninterrupted_run(parallelism, tmp_path):
+  config = _fake_data_config("onebit", parallelism)  # Error feedback: residuals in the state.
+  config.num_train_steps = 6
+  config.checkpoint_every_steps = 4
+  config.log_every_steps = 2
+  config.eval_every_steps = 6
+  config.steps_per_eval = 1
+  uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+  train.train_and_evaluate(config, str(uninterrupted))
+
+  # A run stopped after step 5 has the checkpoint of step 4 and the metrics of steps 1 to 5.
+  shutil.copytree(uninterrupted / "checkpoints" / "4", interrupted / "checkpoints" / "4")
+  records = (uninterrupted / "metrics.jsonl").read_text().splitlines()
+  (interrupted / "metrics.jsonl").write_text(
+      "".join(line + "\n" for line in records if json.loads(line)["step"] <= 5))
+  summary = train.train_and_evaluate(config, str(interrupted))
+
+  assert summary["first_step"] == 4
+  final = _checkpoint(uninterrupted, 6)
+  resumed = _checkpoint(interrupted, 6)
+  assert jax.tree.structure(resumed) == jax.tree.structure(final)
+  for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(final), strict=True):
+    np.testing.assert_array_equal(got, expected)
+  assert np.asarray(final["opt_state"][0]["local_error"][0]).any()  # The residuals came back.
+  assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
+
+
+@pytest.mark.parametrize("dataset", ["digits", "fake"])
+def test_train_batches_resume_at_a_step(dataset):
+  config = smoke.get_config()
+  config.dataset = dataset
+  config.image_size = 8
+  # Past the end of an epoch of digits (1437 images, 22 batches of 64).
+  start_step, num_batches = 20, 5
+  stream = input_pipeline.train_batches(config)
+  expected = [next(stream) for _ in range(start_step + num_batches)][start_step:]
+  resumed = input_pipeline.train_batches(config, start_step)
+  for batch in expected:
+    got = next(resumed)
+    assert got.keys() == batch.keys()
+    for key in batch:
+      np.testing.assert_array_equal(got[key], batch[key])

@@ -130,15 +130,50 @@ def _wire_bits(compressor: Compressor, shape: tuple[int, ...], dtype: np.dtype) 
 
 
 def as_key(key: jax.Array | int) -> jax.Array:
-  """A typed PRNG key from an int seed, a typed key, or a raw ``uint32[2]`` key."""
-  if isinstance(key, int):
-    return jax.random.key(key)
+  """A typed PRNG key from a seed, a typed key, or a raw ``uint32[2]`` key.
+
+  A seed is any integer scalar: a Python or numpy int, a 0-d integer array,
+  or a traced ``int32[]`` (what ``optax.inject_hyperparams`` passes). Host
+  integers give the key ``jax.random.key`` gives their Python int.
+  """
+  if isinstance(key, bool) or (isinstance(key, np.ndarray | np.generic) and key.dtype == bool):
+    raise TypeError(f"key must be a PRNG key or an integer seed, got the bool {key!r}.")
+  if isinstance(key, int | np.integer) or (
+      isinstance(key, np.ndarray) and key.shape == () and np.issubdtype(key.dtype, np.integer)):
+    return jax.random.key(int(key))
   key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key
   if key.dtype == jnp.uint32 and key.shape[-1:] == (2,):
     return jax.random.wrap_key_data(key)
-  raise TypeError(f"key must be a PRNG key or an int seed, got {key.dtype}{list(key.shape)}.")
+  if key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
+    return jax.random.key(key)
+  raise TypeError(
+      f"key must be a PRNG key, a raw uint32[2] key or an integer seed, "
+      f"got {key.dtype}{list(key.shape)}.")
+
+
+def check_static_options(owner: str, **options) -> None:
+  """Raises ``TypeError`` if an option that fixes shapes or control flow is a JAX array.
+
+  ``optax.inject_hyperparams`` turns every numeric argument of a factory into
+  a JAX array (traced under ``jit`` and ``pmap``) unless it is named in
+  ``static_args``; options such as ``bits`` and ``bucket_size`` set the shapes
+  of what is sent and must stay Python values.
+
+  Args:
+    owner: the factory, named in the error.
+    **options: the static options, by name.
+  """
+  arrays = [name for name, value in options.items() if isinstance(value, jax.Array)]
+  if arrays:
+    names = tuple(options)
+    raise TypeError(
+        f"{owner}: {', '.join(arrays)} got a JAX array, but {', '.join(names)} are static "
+        "options (they fix the shapes sent and the program's control flow) and must be "
+        "Python values. With optax.inject_hyperparams, name them in static_args: "
+        f"optax.inject_hyperparams({owner}, static_args={names!r})(...)."
+    )
 
 
 def check_float_leaves(tree, owner: str) -> None:

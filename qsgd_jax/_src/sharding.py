@@ -1,15 +1,22 @@
 """``PartitionSpec`` trees of the library's optax states, for ``jax.shard_map``."""
 
+from collections.abc import Mapping
+
 import jax
 from jax.sharding import PartitionSpec
 
-from qsgd_jax._src import axes
+from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
-from qsgd_jax._src.stats import CompressionStats
 from qsgd_jax._src.transforms import CompressedAllReduceState
 
-_STATES = (AccumulationState, CompressedAllReduceState, LowPrecisionDecentralizedState)
+# The fields every instance has, whatever the parameters and options: a Flax
+# NNX State drops empty tuples, so a state's other fields may be missing there.
+_ALWAYS_PRESENT = {
+    AccumulationState: ("mini_step",),
+    CompressedAllReduceState: ("key", "count", "stats"),
+    LowPrecisionDecentralizedState: ("key", "stats"),
+}
 
 
 def state_partition_specs(opt_state, axis_name: axes.AxisName):
@@ -27,7 +34,15 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     replicated; the wrapped state inside is laid out by these same rules.
   * Every other leaf is replicated (``P()``).
 
-  See :func:`~qsgd_jax.compressed_allreduce` for the pattern.
+  The states are recognized as Flax NNX holds them too: in an
+  ``nnx.Optimizer`` (its ``opt_state``, or the optimizer itself), whose
+  arrays are ``nnx.OptArray`` variables, and in the ``nnx.State`` of
+  ``nnx.state(optimizer)``, where each state is a mapping from its field
+  names (empty fields dropped). The result has the structure of
+  ``opt_state``, variables included, with a ``PartitionSpec`` for each array.
+
+  See :func:`~qsgd_jax.compressed_allreduce` for the pattern, and
+  :func:`~qsgd_jax.data_parallel` for a training step that does it all.
 
   Args:
     opt_state: an optax state, or its ``jax.eval_shape``.
@@ -38,35 +53,58 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
   """
   replicated, along_axis = PartitionSpec(), PartitionSpec(axis_name)
 
-  def per_worker(leaf):
-    return replicated if len(leaf.shape) == 0 else along_axis
+  def all_leaves(spec):
+    return lambda tree: jax.tree.map(lambda _: spec, tree)
+
+  def per_worker(tree):
+    return jax.tree.map(lambda leaf: replicated if len(leaf.shape) == 0 else along_axis, tree)
+
+  field_specs = {
+      AccumulationState: dict(
+          mini_step=all_leaves(replicated), accumulated=all_leaves(along_axis),
+          inner_state=lambda inner: specs(inner)),
+      CompressedAllReduceState: dict(
+          key=all_leaves(replicated), count=all_leaves(replicated),
+          local_error=all_leaves(along_axis), chunk_error=all_leaves(along_axis),
+          stats=all_leaves(replicated)),
+      LowPrecisionDecentralizedState: dict(
+          inner_state=per_worker, left_replica=per_worker, right_replica=per_worker,
+          key=all_leaves(replicated), stats=all_leaves(replicated)),
+  }
 
   def spec(node):
-    if isinstance(node, AccumulationState):
-      return node._replace(
-          mini_step=replicated,
-          accumulated=tuple(along_axis for _ in node.accumulated),
-          inner_state=specs(node.inner_state),
-      )
-    if isinstance(node, CompressedAllReduceState):
-      return node._replace(
-          key=replicated,
-          count=replicated,
-          local_error=tuple(along_axis for _ in node.local_error),
-          chunk_error=tuple(along_axis for _ in node.chunk_error),
-          stats=CompressionStats(*(replicated for _ in node.stats)),
-      )
-    if isinstance(node, LowPrecisionDecentralizedState):
-      return node._replace(
-          inner_state=jax.tree.map(per_worker, node.inner_state),
-          left_replica=jax.tree.map(per_worker, node.left_replica),
-          right_replica=jax.tree.map(per_worker, node.right_replica),
-          key=replicated,
-          stats=CompressionStats(*(replicated for _ in node.stats)),
-      )
-    return jax.tree.map(lambda _: replicated, node)
+    state_type = _state_type(node)
+    if state_type is None:
+      return jax.tree.map(lambda _: replicated, node)
+    return _map_fields(node, field_specs[state_type])
 
   def specs(tree):
-    return jax.tree.map(spec, tree, is_leaf=lambda node: isinstance(node, _STATES))
+    return jax.tree.map(spec, tree, is_leaf=lambda node: _state_type(node) is not None)
 
   return specs(opt_state)
+
+
+def _state_type(node) -> type | None:
+  """Which of the library's states ``node`` is, as a NamedTuple or as a mapping of fields."""
+  if isinstance(node, tuple(_ALWAYS_PRESENT)):
+    return type(node)
+  if not isinstance(node, Mapping):
+    return None
+  for state_type, present in _ALWAYS_PRESENT.items():
+    if (all(isinstance(name, str) for name in node) and set(node) <= set(state_type._fields)
+        and set(present) <= set(node) and ("stats" not in node or stats.is_stats(node["stats"]))):
+      return state_type
+  return None
+
+
+def _map_fields(node, functions):
+  """``node`` (NamedTuple or mapping) with each field's value passed through its function."""
+  fields, structure = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda child: child is not node)
+  return jax.tree_util.tree_unflatten(
+      structure, [functions[_field_name(path)](value) for path, value in fields])
+
+
+def _field_name(path) -> str:
+  (entry,) = path
+  return entry.name if isinstance(entry, jax.tree_util.GetAttrKey) else entry.key

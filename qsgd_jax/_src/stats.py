@@ -1,5 +1,6 @@
 """What a step of a communicating transform put on the wire: :class:`CompressionStats`."""
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -58,17 +59,31 @@ def compression_stats(opt_state) -> CompressionStats | None:
     opt_state: any optax state, e.g. of an ``optax.chain``,
       ``optax.MultiSteps`` or ``optax.inject_hyperparams`` holding a
       :func:`~qsgd_jax.compressed_allreduce` or a
-      :func:`~qsgd_jax.low_precision_decentralized`.
+      :func:`~qsgd_jax.low_precision_decentralized`; also a Flax NNX
+      ``nnx.Optimizer``, its ``opt_state`` (arrays in ``nnx.OptArray``
+      variables) or its ``nnx.State`` (states as mappings of their fields).
 
   Returns:
-    The first stats found (depth first), or ``None`` if there are none.
+    The first stats found (depth first), their fields arrays (variables
+    unwrapped), or ``None`` if there are none.
   """
-  found = [
-      node for node in jax.tree.leaves(
-          opt_state, is_leaf=lambda node: isinstance(node, CompressionStats))
-      if isinstance(node, CompressionStats)
-  ]
-  return found[0] if found else None
+  found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_stats) if is_stats(node)]
+  if not found:
+    return None
+  fields = found[0]._asdict() if isinstance(found[0], CompressionStats) else found[0]
+  return CompressionStats(**{name: _only_leaf(fields[name]) for name in CompressionStats._fields})
+
+
+def is_stats(node) -> bool:
+  """Whether ``node`` is a :class:`CompressionStats`, or a mapping of its fields (Flax NNX)."""
+  return isinstance(node, CompressionStats) or (
+      isinstance(node, Mapping) and set(node) == set(CompressionStats._fields))
+
+
+def _only_leaf(value):
+  """The array in ``value``: itself, or the one leaf of a wrapper such as an NNX variable."""
+  (leaf,) = jax.tree.leaves(value)
+  return leaf
 
 
 def make(wire_bits, full_bits, elias_bits, outer_wire_bits=None,

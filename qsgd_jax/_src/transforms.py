@@ -2,7 +2,7 @@
 
 import math
 import warnings
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +148,9 @@ def compressed_allreduce(
     Interspeech 2014; Karimireddy et al., `Error Feedback Fixes SignSGD
     <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
+  base.check_static_options(
+      "qsgd_jax.compressed_allreduce", warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size, track_elias=track_elias)
   if not (isinstance(error_feedback, bool)
           or (isinstance(error_feedback, str) and error_feedback in ("worker", "owner", "both"))):
     raise ValueError(
@@ -262,7 +265,14 @@ def qsgd(
     bucket_size: int | None = 512,
     norm: Literal["max", "l2"] = "max",
     key: jax.Array | int = 0,
-    **kwargs: Any,
+    *,
+    error_feedback: ErrorFeedback = False,
+    warmup_steps: int = 0,
+    method: plan.Method = "two_phase",
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    axis_size: int | dict[str, int] | None = None,
+    track_elias: bool | int = False,
+    exact_own_piece: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """QSGD (Alistarh et al. 2017): gradients averaged with the QSGD quantizer.
 
@@ -275,14 +285,19 @@ def qsgd(
     bits: bits a coordinate; ``2**(bits - 1) - 1`` levels.
     bucket_size: coordinates sharing one scale; ``None`` for one per piece.
     norm: ``"max"`` or ``"l2"``.
-    key: PRNG key or int seed.
-    **kwargs: more options of :func:`compressed_allreduce`: ``method``,
-      ``min_compressed_size`` (leaves with fewer elements, 4096 by default,
-      go in float32: biases and norm scales), ``error_feedback``,
-      ``warmup_steps``, ``axis_size``, ``track_elias``.
+    key: PRNG key or integer seed.
+    error_feedback, warmup_steps, method, axis_size, track_elias,
+      exact_own_piece: as in :func:`compressed_allreduce`.
+    min_compressed_size: leaves with fewer elements (4096 by default: biases
+      and norm scales) go in float32.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
+
+  Under ``optax.inject_hyperparams`` only ``key`` may be traced: name the
+  other numeric options in ``static_args``,
+  ``static_args=("bits", "bucket_size", "warmup_steps", "min_compressed_size")``
+  (and ``"axis_size"``, ``"track_elias"`` if given); the error says so too.
 
   Examples:
     >>> import optax, qsgd_jax
@@ -292,8 +307,14 @@ def qsgd(
     Alistarh et al., `QSGD: Communication-Efficient SGD via Gradient
     Quantization and Encoding <https://arxiv.org/abs/1610.02132>`_, 2017.
   """
+  base.check_static_options(
+      "qsgd_jax.qsgd", bits=bits, bucket_size=bucket_size, warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size, track_elias=track_elias)
   compressor = QSGD(bits=bits, bucket_size=bucket_size, norm=norm)
-  return compressed_allreduce(compressor, axis_name, key=key, **kwargs)
+  return compressed_allreduce(
+      compressor, axis_name, key=key, error_feedback=error_feedback,
+      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
+      axis_size=axis_size, track_elias=track_elias, exact_own_piece=exact_own_piece)
 
 
 def onebit_sgd(
@@ -302,7 +323,12 @@ def onebit_sgd(
     *,
     bucket_size: int | None = 512,
     error_feedback: ErrorFeedback = "worker",
-    **kwargs: Any,
+    warmup_steps: int = 0,
+    method: plan.Method = "two_phase",
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
+    axis_size: int | dict[str, int] | None = None,
+    track_elias: bool | int = False,
+    exact_own_piece: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """1-bit SGD (Seide et al. 2014): sign bits, bucket means, error feedback.
 
@@ -331,8 +357,8 @@ def onebit_sgd(
       for one bucket a row of each leaf's last axis, as CNTK.
     error_feedback: as in :func:`compressed_allreduce`; ``"worker"`` by
       default.
-    **kwargs: more options of :func:`compressed_allreduce`, e.g.
-      ``exact_own_piece``, ``min_compressed_size``, ``warmup_steps``.
+    warmup_steps, method, min_compressed_size, axis_size, track_elias,
+      exact_own_piece: as in :func:`compressed_allreduce`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -345,9 +371,13 @@ def onebit_sgd(
     Seide et al., `1-Bit Stochastic Gradient Descent and its Application to
     Data-Parallel Distributed Training of Speech DNNs`, Interspeech 2014.
   """
+  base.check_static_options(
+      "qsgd_jax.onebit_sgd", bucket_size=bucket_size, warmup_steps=warmup_steps,
+      min_compressed_size=min_compressed_size, axis_size=axis_size, track_elias=track_elias)
   return compressed_allreduce(
-      OneBit(bucket_size=bucket_size), axis_name, key=key,
-      error_feedback=error_feedback, **kwargs,
+      OneBit(bucket_size=bucket_size), axis_name, key=key, error_feedback=error_feedback,
+      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
+      axis_size=axis_size, track_elias=track_elias, exact_own_piece=exact_own_piece,
   )
 
 

@@ -33,11 +33,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.steps_per_eval = -1  # When positive, evaluate on that many batches only.
   config.eval_every_steps = -1  # -1: once an epoch, and at the end.
   config.log_every_steps = 100
+  # Orbax checkpoints in workdir/checkpoints every this many steps and at the end; a run
+  # resumes from the latest. 0 or less: no checkpoints, and no resuming.
+  config.checkpoint_every_steps = 1000
 
   # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, decentralized8.
   config.compression = "qsgd4"
   config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
   config.min_compressed_size = 4096  # Smaller leaves (biases, norms) go in float32.
-  config.parallelism = "shard_map"  # Or pmap.
+  config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
   config.seed = 0
   return config
