@@ -22,7 +22,14 @@ CPU) or assumed for an H100 at 60% of its 3.35 TB/s memory bandwidth (the
 throughput goal) and at 10% (slow kernels); the GPU figures were not measured
 in this project, which had no GPU.
 
+``network_predictions`` checks the model against real processes:
+``benchmarks/network.py`` measures the gradient average of N processes over a
+loopback rate-limited by ``tc``, and this module predicts each of its times
+(its Part 3). ``--network-json`` prints that comparison again from a saved
+run.
+
   python benchmarks/cost_model.py [--throughput-json PATH] [--out DIR]
+  python benchmarks/cost_model.py --network-json benchmarks/results/network_4proc.json
 """
 
 import argparse
@@ -186,10 +193,11 @@ def network_predictions(report: dict, throughput: dict, devices: int, cores: int
     the kernels slowed by the ``devices / cores`` processes a core, and the
     latency probe's figures: what a program with one gloo call costs, and
     one more call's latency for each further call the program makes.
-  * ``calibrated``: the refined model with the compute taken from the
-    unthrottled measurement of the same mode (its time less its link time
-    and latency) instead of the kernel rates. The unthrottled rows are its
-    calibration, not predictions.
+  * ``calibrated``: the refined model with the kernels' time replaced by
+    the compute the unthrottled measurement of the same mode shows (its
+    time less its link time and latency there): the kernels and the rest of
+    the library's work, taken to be the same at every rate. The unthrottled
+    rows are its calibration, not predictions.
 
   Args:
     report: ``network.py``'s ``collectives`` report.
@@ -226,10 +234,9 @@ def network_predictions(report: dict, throughput: dict, devices: int, cores: int
         }
         if calibration is not None and rate_name != "unthrottled":
           reference = calibration["modes"][mode]
-          reference_bulk = calibration["link"]["bytes_per_second"] / devices
-          compute = max(0.0, reference["seconds"]
-                        - (reference["link_bytes_sent"] or reference["hlo_bytes_sent"])
-                        / reference_bulk
+          reference_link = ((reference["link_bytes_sent"] or reference["hlo_bytes_sent"])
+                            / (calibration["link"]["bytes_per_second"] / devices))
+          compute = max(0.0, reference["seconds"] - reference_link
                         - _latency(reference, calibration))
           row["compute_measured"] = compute
           row["calibrated"] = terms["link"] + terms["latency"] + compute
@@ -278,18 +285,21 @@ def _median(values: list[float]) -> float:
 def _network_diagnosis(rows: list[dict]) -> list[str]:
   """What each refinement corrects, in this run's figures."""
   out = ["What the alpha-beta model gets wrong, and what the refinements add:", ""]
-  capped = sorted({(row["rate"], row["effective_bytes_per_second"]) for row in rows
-                   if row["effective_bytes_per_second"] < 0.9 * row["nominal_bytes_per_second"]})
+  capped: dict[str, list[float]] = {}
+  for row in rows:
+    if row["effective_bytes_per_second"] < 0.9 * row["nominal_bytes_per_second"]:
+      capped.setdefault(row["rate"], []).append(8e-9 * row["effective_bytes_per_second"])
   if capped:
-    rates = ", ".join(f"{rate} ({8e-9 * rate_bytes:.2f} Gbit/s a node)"
-                      for rate, rate_bytes in capped)
+    rates = ", ".join(f"{rate} (it reached {min(g):.2f} to {max(g):.2f} Gbit/s a node)"
+                      for rate, g in capped.items())
     out.append(f"- Link rate: at {rates} the loopback itself, its copies running on the shared"
                " cores, carried less than tc allows; the refined model takes the rate a bulk TCP"
                " transfer reached.")
   ratios = [row["link_bytes"] / row["hlo_bytes"] for row in rows if row["hlo_bytes"]]
   out.append(f"- Bytes: the loopback carried {_median(ratios):.3f}x the HLO's ring accounting"
-             f" (from {min(ratios):.3f}x to {max(ratios):.3f}x): TCP/IP headers and"
-             " acknowledgements. Bytes are not what the model misses.")
+             f" (median; from {min(ratios):.3f}x to {max(ratios):.3f}x, the extremes on calls of"
+             " tens of kilobytes, where headers, acknowledgements and the barriers' own bytes"
+             " weigh most). Bytes are not what the model misses.")
   probes = {}
   for row in rows:
     probes.setdefault(row["rate"], (row["one_call_program_seconds"], row["gloo_call_seconds"]))
@@ -372,7 +382,16 @@ def main() -> None:
                       help="output of compressor_throughput.py (measured kernel rates)")
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+  parser.add_argument("--network-json", type=pathlib.Path, default=None,
+                      help="a network.py report: print its measurements against the model, only")
   args = parser.parse_args()
+
+  if args.network_json is not None:
+    network = json.loads(args.network_json.read_text())
+    rows = network_predictions(network["collectives"], json.loads(args.throughput_json.read_text()),
+                               network["processes"], network["cpu_count"])
+    print(network_markdown(rows))
+    return
 
   method_lists = {
       "H100 kernels at 60% of memory bandwidth (assumed)": assumed_gpu_methods(0.6),

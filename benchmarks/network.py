@@ -32,14 +32,18 @@ the same cores) is flagged.
 real trees (ResNet-50's, GPT-2 small's at a quarter of its width, and the
 digits example's ResNet-8) for every mode of ``network_worker.MODES``, at
 100 Mbit/s, 1 Gbit/s and 10 Gbit/s a node and unthrottled: the median over
-``--repeats`` calls after a warm-up call, each call's time the slowest
-process's. Beside it: the speedup over the float32 ``pmean``; the bytes one
-device sends by the compiled HLO (:func:`qsgd_jax.wire_bytes`, ring
-accounting) and that figure over the per-node rate, the mode's wire floor;
-and the bytes that crossed the loopback (its ``tx_bytes`` counter read inside
-the namespace, less the bytes of the barriers around each call, divided by
-``N``). A latency probe (a float32 ``pmean`` of 1 and of 65 one-element
-leaves) measures what one gloo call costs at every rate.
+``--repeats`` calls (``--small-tree-repeats`` on ResNet-8, whose calls take
+milliseconds) after a warm-up call, each call's time the slowest process's.
+The float32 baselines are ``jax.lax.pmean`` of the tree, which XLA's CPU
+runtime sends as one gloo all-reduce a leaf, and the same of the tree
+concatenated into one vector (``fp32_pmean/fused``), one call. Beside each
+time: the speedups over both; the bytes one device sends by the compiled HLO
+(:func:`qsgd_jax.wire_bytes`, ring accounting) and that figure over the
+per-node rate, the mode's wire floor; and the bytes that crossed the loopback
+(its ``tx_bytes`` counter read inside the namespace, less the bytes of the
+barriers around each call, divided by ``N``). A latency probe (a float32
+``pmean`` of 1 and of 65 leaves of 256 elements) measures what a gloo call
+costs at every rate.
 
 **Part 2, time to accuracy.** The Flax example itself
 (``examples/imagenet/main.py --multihost``), ``N`` processes at 100 Mbit/s a
@@ -257,17 +261,19 @@ class Launcher:
               prefix + command_for(process_id), stdout=log, stderr=subprocess.STDOUT,
               env=_child_environment(), cwd=_ROOT, start_new_session=True,
               preexec_fn=_die_with_parent))
-      deadline = start + self.timeout
-      for process_id, process in enumerate(processes):
-        try:
-          code = process.wait(timeout=max(1.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-          raise LaunchError(f"process {process_id} still running after {self.timeout:.0f} s:\n"
-                            + _tail(logs / f"process{process_id}.log")) from None
-        if code:
-          failed = min((i for i, p in enumerate(processes) if p.poll()), default=process_id)
+      # The first process to fail ends the launch: the others would wait for it.
+      while True:
+        failed = next((i for i, p in enumerate(processes) if p.poll()), None)
+        if failed is not None:
           raise LaunchError(f"process {failed} exited with code {processes[failed].returncode}:\n"
                             + _tail(logs / f"process{failed}.log"))
+        running = [i for i, p in enumerate(processes) if p.poll() is None]
+        if not running:
+          break
+        if time.perf_counter() - start > self.timeout:
+          raise LaunchError(f"process {running[0]} still running after {self.timeout:.0f} s:\n"
+                            + _tail(logs / f"process{running[0]}.log"))
+        time.sleep(0.2)
     finally:
       for process in processes:
         if process.poll() is None:
@@ -290,7 +296,7 @@ def _log(message: str) -> None:
 
 
 def run_collectives(launcher: Launcher, args, work: pathlib.Path) -> dict:
-  """Launches the workers once for every tree, mode and rate; returns their combined report."""
+  """Launches the workers once, for every tree, rate and mode; returns their combined report."""
   rates = [{"name": name, "bits_per_second_per_node": RATES[name],
             "command": tbf_command(RATES[name], args.processes)}
            for name in args.rates] if launcher.namespace else [
@@ -302,6 +308,7 @@ def run_collectives(launcher: Launcher, args, work: pathlib.Path) -> dict:
       "modes": list(args.modes),
       "rates": rates,
       "repeats": args.repeats,
+      "small_tree_repeats": args.small_tree_repeats,
       "count_bytes": launcher.namespace is not None,
       "output_dir": str(work),
   }
@@ -323,52 +330,43 @@ def combine(reports: list[dict], rates: list[dict], num_processes: int) -> dict:
   over a call, less the median rise over windows with no call (the barriers
   and the coordinator's messages), divided by the processes.
   """
-  first = reports[0]
   trees = {}
-  for tree_name, tree in first["trees"].items():
+  for tree_name, tree in reports[0]["trees"].items():
     by_rate = {}
     for rate in rates:
       measured = tree["rates"][rate["name"]]
+      per_node = rate["bits_per_second_per_node"]
+      # Unshaped, a node's rate is its share of what a bulk TCP transfer reached.
+      per_node_bytes = (per_node / 8 if per_node is not None
+                        else measured["link"]["bytes_per_second"] / num_processes)
       empty = [b for b in measured["barrier_tx_bytes"] if b is not None]
       barrier_bytes = statistics.median(empty) if empty else None
-      probe = {int(n): statistics.median(t) for n, t in measured["latency_probe_seconds"].items()}
-      fewest, most = min(probe), max(probe)
-      # Less the time the extra leaves' bytes take on the link (a ring all-reduce of each).
-      ring_share = 2 * (num_processes - 1) / num_processes
-      probe_bytes = (most - fewest) * 4 * network_worker.PROBE_LEAF_SIZE * ring_share
-      link = measured["link"]
-      per_node = rate["bits_per_second_per_node"]
-      # The unshaped loopback: the measured bulk rate, shared by the nodes.
-      per_node_bytes = (per_node / 8 if per_node is not None
-                        else link["bytes_per_second"] / num_processes)
-      gloo_call_seconds = max(0.0, (probe[most] - probe[fewest] - probe_bytes / per_node_bytes)
-                              / (most - fewest))
       modes = {}
       for mode_name, mode in tree["modes"].items():
         calls = [max(report["trees"][tree_name]["rates"][rate["name"]]["modes"][mode_name]
                      ["seconds"][call] for report in reports)
                  for call in range(len(measured["modes"][mode_name]["seconds"]))]
         sent = [b for b in measured["modes"][mode_name]["tx_bytes"] if b is not None]
-        link_bytes = (statistics.median(sent) - barrier_bytes) / num_processes if sent else None
-        entry = {
-            "seconds": statistics.median(calls),
+        seconds = statistics.median(calls)
+        floor = mode["hlo_bytes_sent"] / per_node_bytes
+        modes[mode_name] = {
+            "seconds": seconds,
             "calls_seconds": calls,
             "hlo_bytes_sent": mode["hlo_bytes_sent"],
-            "link_bytes_sent": link_bytes,
+            "link_bytes_sent": ((statistics.median(sent) - barrier_bytes) / num_processes
+                                if sent else None),
             "gloo_calls": mode["gloo_calls"],
+            "wire_floor_seconds": floor,
+            "time_vs_wire_floor": seconds / floor,
         }
-        if per_node_bytes:
-          entry["wire_floor_seconds"] = mode["hlo_bytes_sent"] / per_node_bytes
-          entry["time_vs_wire_floor"] = entry["seconds"] / entry["wire_floor_seconds"]
-        modes[mode_name] = entry
       for baseline, key in ((PMEAN, "speedup_vs_fp32"), (FUSED, "speedup_vs_fused_fp32")):
         if baseline in modes:
           for entry in modes.values():
             entry[key] = modes[baseline]["seconds"] / entry["seconds"]
-      by_rate[rate["name"]] = {"bits_per_second_per_node": per_node, "link": link,
+      by_rate[rate["name"]] = {"bits_per_second_per_node": per_node, "link": measured["link"],
                                "barrier_bytes": barrier_bytes,
-                               "gloo_call_seconds": gloo_call_seconds,
-                               "one_call_program_seconds": probe[fewest], "modes": modes}
+                               **_latency(measured, per_node_bytes, num_processes),
+                               "modes": modes}
     trees[tree_name] = {
         "parameters": tree["parameters"], "leaves": tree["leaves"],
         "min_compressed_size": tree["min_compressed_size"],
@@ -378,6 +376,17 @@ def combine(reports: list[dict], rates: list[dict], num_processes: int) -> dict:
         "rates": by_rate,
     }
   return {"trees": trees}
+
+
+def _latency(measured: dict, per_node_bytes: float, num_processes: int) -> dict:
+  """The latency probe's figures (process 0's medians): a one-call program, one more call."""
+  probe = {int(n): statistics.median(t) for n, t in measured["latency_probe_seconds"].items()}
+  fewest, most = min(probe), max(probe)
+  # Less the time the extra leaves' bytes take on the link (a ring all-reduce of each).
+  ring_share = 2 * (num_processes - 1) / num_processes
+  extra_bytes = (most - fewest) * 4 * network_worker.PROBE_LEAF_SIZE * ring_share
+  call = (probe[most] - probe[fewest] - extra_bytes / per_node_bytes) / (most - fewest)
+  return {"one_call_program_seconds": probe[fewest], "gloo_call_seconds": max(0.0, call)}
 
 
 def _collective_summary(collectives: list[dict]) -> dict[str, dict]:
@@ -431,8 +440,8 @@ def collectives_tables(report: dict, num_processes: int) -> str:
         cells = [
             mode_name, f"{entry['seconds']:.3f}", _ratio(entry.get("speedup_vs_fp32")),
             _ratio(entry.get("speedup_vs_fused_fp32")),
-            _megabytes(hlo_bytes), _number(entry.get("wire_floor_seconds"), ".3f"),
-            _number(entry.get("time_vs_wire_floor"), ".2f"), _megabytes(link_bytes),
+            _megabytes(hlo_bytes), f"{entry['wire_floor_seconds']:.3f}",
+            f"{entry['time_vs_wire_floor']:.2f}", _megabytes(link_bytes),
             _number(None if link_bytes is None else link_bytes / hlo_bytes, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -607,6 +616,8 @@ def parse_args(argv=None):
   parser.add_argument("--rates", nargs="+", choices=tuple(RATES), default=None,
                       help=f"per node; default {tuple(RATES)}")
   parser.add_argument("--repeats", type=int, default=3, help="timed calls a mode, after a warm-up")
+  parser.add_argument("--small-tree-repeats", type=int, default=11,
+                      help="timed calls a mode on a tree of under a million parameters")
   parser.add_argument("--training-modes", nargs="+", default=list(TRAINING_MODES))
   parser.add_argument("--target-accuracy", type=float, default=0.9)
   parser.add_argument("--config-override", nargs="*", default=[],
@@ -698,6 +709,9 @@ def main(argv=None) -> None:
                              cost_model.network_markdown(rows)))
   report["seconds"] = time.perf_counter() - started
   report["load_average_at_end"] = os.getloadavg()
+  sections.append(_section("The run", f"\n{report['seconds']:.0f} s; load average"
+                           f" {report['load_average_at_end'][0]:.1f} at the end (over the last"
+                           f" 15 minutes: {report['load_average_at_end'][2]:.1f}).\n"))
   (args.out / f"network_{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
   (args.out / f"network_{suffix}.md").write_text("\n".join(sections))
   print(f"wrote {args.out / f'network_{suffix}.json'} and .md ({report['seconds']:.0f} s)")

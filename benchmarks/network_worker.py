@@ -3,9 +3,11 @@
 ``network.py`` starts ``N`` of these, one CPU device each, inside its network
 namespace. They join one ``jax.distributed`` cluster over gloo on 127.0.0.1
 and, for every gradient tree of the plan, compile each mode of :data:`MODES`
-once, then for every link rate of the plan (process 0 applies the rate's
-queueing discipline to the namespace's loopback) time each mode's call and
-count the bytes that crossed the loopback during it.
+once and call it once (the warm-up; process 0 checks the result against the
+exact mean). Then for every link rate of the plan, process 0 applies the
+rate's queueing discipline to the namespace's loopback and times one bulk TCP
+transfer over it while the others wait, all run the latency probe, and each
+mode's call is timed and the bytes that crossed the loopback counted.
 
 Every timed call runs between two barriers: after the first, process 0 reads
 the loopback's transmit counter; each process times its own call; after the
@@ -51,6 +53,9 @@ EMPTY_WINDOWS = 5
 PROBE_LEAVES = (1, 65)
 PROBE_LEAF_SIZE = 256
 PROBE_CALLS = 5
+# A tree under this many parameters takes milliseconds a call, more at the mercy of the
+# scheduler: it gets the plan's "small_tree_repeats" calls instead of its "repeats".
+SMALL_TREE_PARAMETERS = 1_000_000
 
 
 class Mode(NamedTuple):
@@ -296,7 +301,8 @@ class Worker:
       probes = {str(n): [self.window(lambda n=n: self.probes[n](self.probe_inputs[n]))[0]
                          for _ in range(PROBE_CALLS)] for n in PROBE_LEAVES}
       by_mode = {name: {"seconds": [], "tx_bytes": []} for name in compiled}
-      for _ in range(self.plan["repeats"]):
+      small = record["parameters"] < SMALL_TREE_PARAMETERS
+      for _ in range(self.plan["small_tree_repeats" if small else "repeats"]):
         for name, executable in compiled.items():
           seconds, sent = self.window(lambda e=executable: e(grads, params))
           by_mode[name]["seconds"].append(seconds)
