@@ -102,7 +102,8 @@ RATES = {
 }
 TREES = ("resnet50", "gpt2_small_quarter_width", "resnet8_digits")
 QUICK_TREES = ("resnet50_quarter_width",)
-QUICK_MODES = ("fp32_pmean", "qsgd4/two_phase", "onebit/two_phase", "decentralized8/ring")
+# Not the ring: MinMax's encode of 161 leaves of many shapes takes minutes to compile.
+QUICK_MODES = ("fp32_pmean", "fp32_pmean/fused", "qsgd4/two_phase", "onebit/two_phase")
 QUICK_RATES = ("100 Mbit/s", "unthrottled")
 PMEAN, FUSED = "fp32_pmean", "fp32_pmean/fused"
 TRAINING_MODES = ("fp32", "qsgd4", "onebit", "decentralized8")
