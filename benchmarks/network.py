@@ -569,8 +569,9 @@ def training_table(training: dict) -> str:
         f" | {_seconds(to_fp32)} | {'-' if speedup is None else f'{speedup:.1f}x'}"
         f" | {summary['train_seconds']:.1f} | {summary['steps_per_second']:.2f}"
         f" | {summary['wire_bytes_per_step']:,.0f} |")
-  lines += ["", "Training seconds leave out compilation and the evaluations (decentralized8's"
-            " evaluation averages the models with a float32 all-reduce)."]
+  lines += ["", "Training seconds leave out compilation and the evaluations"
+            + (" (decentralized8's evaluation averages the models with a float32 all-reduce)."
+               if "decentralized8" in modes else ".")]
   return "\n".join(lines) + "\n"
 
 
@@ -634,9 +635,9 @@ def parse_args(argv=None):
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
   args.rates = tuple(args.rates or (QUICK_RATES if args.quick else tuple(RATES)))
-  if args.quick:  # fp32 and qsgd4 (unless given), three epochs.
+  if args.quick:  # fp32 and qsgd4 (unless given), two epochs.
     args.training_modes = args.training_modes[:2]
-    args.config_override = ["num_epochs=3", *args.config_override]
+    args.config_override = ["num_epochs=2", *args.config_override]
   return args
 
 
