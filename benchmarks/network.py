@@ -10,8 +10,8 @@ carry, as a switch with one such link a node would; a node's traffic is not
 capped on its own (one busy node may take more than its share). The namespace
 is deleted at the end, also when a run fails or is interrupted, and a stale
 one of the same name is deleted first. Without the permission to create it
-(root or ``CAP_NET_ADMIN``) the processes run on the host's loopback,
-unthrottled, and the bytes on it are not counted.
+(root: ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) the processes run on the
+host's loopback, unthrottled, and the bytes on it are not counted.
 
 **The link's settings.** The namespace's loopback gets an MTU of 9,000
 bytes (jumbo Ethernet frames) instead of 64 KiB. tbf drops every packet larger
@@ -205,7 +205,8 @@ def namespace_permission() -> str | None:
   probe = f"{NAMESPACE}_probe{os.getpid()}"
   created = _run(["ip", "netns", "add", probe], check=False)
   if created.returncode:
-    return f"`ip netns add` failed (needs root or CAP_NET_ADMIN): {created.stderr.strip()}"
+    return (f"`ip netns add` failed (it needs root: CAP_SYS_ADMIN and CAP_NET_ADMIN):"
+            f" {created.stderr.strip()}")
   _run(["ip", "netns", "del", probe], check=False)
   return None
 
@@ -687,7 +688,8 @@ def main(argv=None) -> None:
     namespace = None if denied else stack.enter_context(Namespace(args.namespace))
     launcher = Launcher(namespace, args.processes, args.timeout)
     if "collectives" in args.parts:
-      _log(f"Part 1: {args.trees}, {len(args.modes)} modes, rates {args.rates}")
+      _log(f"Part 1: {args.trees}, {len(args.modes)} modes, rates"
+           f" {args.rates if namespace else ('unthrottled',)}")
       report["collectives"] = run_collectives(launcher, args, work / "collectives")
       sections.append(_section(
           "Part 1: gradient averaging",

@@ -11,9 +11,9 @@ accelerator instead, on a 1 GiB array (larger than any cache), and reports
 encode and decode traffic as a fraction of the device's memory bandwidth; the
 cost model then predicts with those measured rates. The collectives and the
 error-feedback study need 8 devices and stay on simulated CPU devices. The
-network benchmark runs 4 CPU processes over gloo; it needs root (or
-CAP_NET_ADMIN) to create the network namespace whose loopback it rate-limits,
-and without it measures unthrottled only. Its cost model uses the CPU kernel
+network benchmark runs 4 CPU processes over gloo; it needs root to create the
+network namespace whose loopback it rate-limits, and without it measures
+unthrottled only. Its cost model uses the CPU kernel
 rates of ``--out`` (or of ``benchmarks/results``).
 
   python benchmarks/run_all.py                   # the full sizes, for the record
