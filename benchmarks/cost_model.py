@@ -161,8 +161,10 @@ def network_kernel_seconds(mode: str, coordinates: int, devices: int, throughput
   ``mode`` is ``compressor/method`` as in ``network_worker.MODES``. Two-phase
   encodes its ``p`` pieces and its owned sum (``N (1 + 1/p)`` coordinates) and
   decodes the ``p`` received pieces and the gathered sums (``2 N``); the
-  shared-scale psum encodes and decodes ``N`` once each; the ring encodes its
-  difference once and decodes its own and both neighbours' (``3 N``).
+  shared-scale psum encodes and decodes ``N`` once each; the all-gather
+  method encodes ``N`` once and decodes all ``p`` gathered payloads; the ring
+  encodes its difference once and decodes its own and both neighbours'
+  (``3 N``).
   """
   compressor, _, method = mode.partition("/")
   if compressor not in NETWORK_KERNELS:  # A float32 pmean runs no kernel of ours.
@@ -172,8 +174,12 @@ def network_kernel_seconds(mode: str, coordinates: int, devices: int, throughput
   decode = results["decode"]["ms"] / 1e3 / size
   per_coordinate = {"two_phase": (1 + 1 / devices) * encode + 2 * decode,
                     "psum": encode + decode,
-                    "ring": encode + 3 * decode}[method]
-  return per_coordinate * coordinates
+                    "all_gather": encode + devices * decode,
+                    "ring": encode + 3 * decode}
+  if method not in per_coordinate:
+    raise ValueError(f"network_kernel_seconds: no kernel count for method {method!r} of mode"
+                     f" {mode!r}; add it to per_coordinate (one of {tuple(per_coordinate)}).")
+  return per_coordinate[method] * coordinates
 
 
 def _latency(entry: dict, rate: dict) -> float:
