@@ -62,15 +62,15 @@ class Mode(NamedTuple):
   """How one row of the benchmark averages a gradient tree over the processes.
 
   Attributes:
-    compressor: what goes on the wire; ``None`` for a plain float32
-      ``jax.lax.pmean``.
-    method: ``"pmean"`` (``jax.lax.pmean``), a ``method=`` of
-      :func:`qsgd_jax.quantized_pmean` (``"two_phase"``, ``"psum"``), or
+    compressor: what goes on the wire; ``None`` for float32.
+    method: ``"pmean"``: ``jax.lax.pmean`` of the tree, which XLA's CPU
+      runtime sends as one gloo all-reduce a leaf; ``"fused_pmean"``: the
+      same of the tree concatenated into one vector, one call (tensor fusion,
+      as Horovod and DDP's buckets do); a ``method=`` of
+      :func:`qsgd_jax.quantized_pmean` (``"two_phase"``, ``"psum"``); or
       ``"ring"``: one step of :func:`qsgd_jax.low_precision_decentralized`,
       which sends the compressed model difference to both ring neighbours
-      instead of averaging, or ``"fused_pmean"``: the float32 ``pmean`` of the
-      whole tree concatenated into one vector (tensor fusion, as Horovod and
-      DDP's buckets do), one gloo call instead of one a leaf.
+      instead of averaging.
   """
 
   compressor: qsgd_jax.Compressor | None
