@@ -86,9 +86,10 @@ import time
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-sys.path.insert(0, str(_HERE))
+# This checkout's library (not an installed one) and the sibling scripts, as the processes get.
+sys.path[:0] = [str(_ROOT), str(_HERE)]
 
-import cost_model  # noqa: E402  (sibling scripts, found through _HERE)
+import cost_model  # noqa: E402
 import network_worker  # noqa: E402
 
 NAMESPACE = "qsgd_jax_network"

@@ -114,7 +114,7 @@ def test_namespace_is_deleted_when_the_launcher_is_terminated(tmp_path):
       time.sleep(0.1)
     assert launcher.poll() is None, log.read_text()[-3000:]
     launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=60) != 0
+    assert launcher.wait(timeout=60) != 0, log.read_text()[-3000:]
   finally:
     if launcher.poll() is None:
       launcher.kill()
