@@ -10,7 +10,11 @@ With ``--platform gpu`` (or ``tpu``) the compressor throughput runs on the
 accelerator instead, on a 1 GiB array (larger than any cache), and reports
 encode and decode traffic as a fraction of the device's memory bandwidth; the
 cost model then predicts with those measured rates. The collectives and the
-error-feedback study need 8 devices and stay on simulated CPU devices.
+error-feedback study need 8 devices and stay on simulated CPU devices. The
+network benchmark runs 4 CPU processes over gloo; it needs root to create the
+network namespace whose loopback it rate-limits, and without it measures
+unthrottled only. Its cost model uses the CPU kernel
+rates of ``--out`` (or of ``benchmarks/results``).
 
   python benchmarks/run_all.py                   # the full sizes, for the record
   python benchmarks/run_all.py --quick           # small sizes, a quick look
@@ -51,6 +55,8 @@ SUITE = (
     ("Alpha-beta cost model", "cost_model.py", False,
      ["--throughput-json", "{out}/compressor_throughput_{size}{suffix}.json"],
      ["--throughput-json", "{out}/compressor_throughput_1048576{suffix}.json"]),
+    ("Real processes over a rate-limited link (gloo, a network namespace shaped by tc)",
+     "network.py", False, [], ["--quick"]),
 )
 ONE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 

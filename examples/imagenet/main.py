@@ -5,7 +5,8 @@
 Without accelerators, JAX is given eight simulated CPU devices (unless
 ``XLA_FLAGS`` already sets their number). With ``--multihost``, or in a cluster
 JAX recognizes (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, ...), every
-process calls ``jax.distributed.initialize`` first and feeds its own devices.
+process calls ``jax.distributed.initialize`` first and feeds its own devices;
+CPU devices then communicate over gloo.
 """
 
 import os
@@ -43,6 +44,8 @@ def main(argv):
   from examples.imagenet import train
 
   if FLAGS.multihost or in_multiprocess_cluster():
+    # CPU devices of different processes reach each other over gloo's TCP collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=FLAGS.coordinator_address,
         num_processes=FLAGS.num_processes,

@@ -1,11 +1,13 @@
-"""The ResNet family in Flax linen (He et al. 2016), with a stem for small images.
+"""The ResNet family in Flax linen (He et al. 2016), with a stem for small images, and an MLP.
 
 ``ResNet18`` ... ``ResNet200`` are the ImageNet networks: a 7x7 stride-2
 convolution and a max-pool, then four stages whose widths double. The same
 networks built with ``small_inputs=True`` start with one 3x3 stride-1
 convolution and no pooling, which suits 8x8 digits and 32x32 images; ``ResNet8``
 (three stages of one block) is the digits model and ``ResNet1`` (one block) the
-tiny model of the tests.
+tiny model of the tests. ``WideMLP`` (three hidden layers of 1,024) has 2.2M
+parameters on digits but little arithmetic a parameter: over a slow link its
+gradient all-reduce takes longer than its step.
 """
 
 import functools
@@ -125,6 +127,36 @@ ResNet101 = functools.partial(ResNet, stage_sizes=(3, 4, 23, 3), block_cls=Bottl
 ResNet152 = functools.partial(ResNet, stage_sizes=(3, 8, 36, 3), block_cls=BottleneckResNetBlock)
 ResNet200 = functools.partial(ResNet, stage_sizes=(3, 24, 36, 3), block_cls=BottleneckResNetBlock)
 
+class MLP(nn.Module):
+  """A multilayer perceptron on flattened images: Dense, BatchNorm, activation a hidden layer.
+
+  Attributes:
+    hidden_sizes: the width of each hidden layer.
+    num_classes: outputs of the final dense layer.
+    dtype: the computation's dtype (parameters stay float32).
+    act: the activation.
+    axis_name: the mapped axis over which BatchNorm averages its batch
+      statistics; ``None`` outside ``pmap``/``shard_map``.
+  """
+
+  hidden_sizes: Sequence[int]
+  num_classes: int
+  dtype: Any = jnp.float32
+  act: Callable = nn.relu
+  axis_name: str | None = "batch"
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = x.reshape((x.shape[0], -1))
+    for width in self.hidden_sizes:
+      x = nn.Dense(width, use_bias=False, dtype=self.dtype)(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                       dtype=self.dtype, axis_name=self.axis_name)(x)
+      x = self.act(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    return jnp.asarray(x, jnp.float32)
+
+
 # Small networks for small images: digits (8x8) and the tests.
 ResNet8 = functools.partial(
     ResNet, stage_sizes=(1, 1, 1), block_cls=ResNetBlock, num_filters=16, small_inputs=True
@@ -132,3 +164,5 @@ ResNet8 = functools.partial(
 ResNet1 = functools.partial(
     ResNet, stage_sizes=(1,), block_cls=ResNetBlock, num_filters=8, small_inputs=True
 )
+# 64 x 1024 + 2 x 1024 x 1024 + 1024 x 10 weights on digits: communication-bound.
+WideMLP = functools.partial(MLP, hidden_sizes=(1024, 1024, 1024))

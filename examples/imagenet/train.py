@@ -419,7 +419,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     block_every_step = jax.default_backend() == "cpu"
 
     metrics_file = (workdir / "metrics.jsonl").open("a") if is_main else None
-    window, window_start, train_seconds = [], time.perf_counter(), 0.0
+    # Training seconds leave out evaluations and checkpoints; wall seconds count everything
+    # since the loop began.
+    loop_start = time.perf_counter()
+    window, window_start, window_seconds, train_seconds = [], loop_start, 0.0, 0.0
     eval_metrics: dict[str, float] = {}
     progress = tqdm.trange(first_step, num_steps, initial=first_step, total=num_steps,
                            desc=config.compression, disable=not is_main)
@@ -433,27 +436,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       done = step + 1
       if done % config.log_every_steps == 0 or done == num_steps:
         records = [{name: _scalar(value) for name, value in m.items()} for m in window]
-        elapsed = time.perf_counter() - window_start
+        elapsed = window_seconds + time.perf_counter() - window_start
         train_seconds += elapsed
         for offset, record in enumerate(records):
           record["step"] = done - len(records) + offset + 1
           record["steps_per_second"] = len(records) / elapsed
           record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
+          record["train_seconds"] = train_seconds
+          record["wall_seconds"] = time.perf_counter() - loop_start
           _write(metrics_file, record)
         progress.set_postfix(loss=f"{records[-1]['loss']:.3f}",
                              accuracy=f"{records[-1]['accuracy']:.3f}",
                              steps_per_second=f"{len(records) / elapsed:.1f}")
         train_records += records
-        window = []
+        window, window_seconds = [], 0.0
         window_start = time.perf_counter()
       if done % eval_every == 0 or done == num_steps:
+        window_seconds += time.perf_counter() - window_start
         eval_metrics = evaluate(mapped, state, config, num_eval_batches)
-        _write(metrics_file, {"step": done, **eval_metrics})
+        _write(metrics_file, {"step": done, **eval_metrics,
+                              "train_seconds": train_seconds + window_seconds,
+                              "wall_seconds": time.perf_counter() - loop_start})
         window_start = time.perf_counter()
       if checkpoints is not None:
-        saving_start = time.perf_counter()
+        window_seconds += time.perf_counter() - window_start
         checkpoints.save(done, args=ocp.args.StandardSave(state), force=done == num_steps)
-        window_start += time.perf_counter() - saving_start  # Not training time.
+        window_start = time.perf_counter()
     progress.close()
     if metrics_file is not None:
       metrics_file.close()

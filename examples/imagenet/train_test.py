@@ -114,9 +114,12 @@ def _checkpoint(workdir, step):
           x.dtype, jax.dtypes.prng_key) else x), saved)
 
 
+_TIMINGS = ("steps_per_second", "train_seconds", "wall_seconds")
+
+
 def _records_without_timings(workdir):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
-  return [{key: value for key, value in record.items() if key != "steps_per_second"}
+  return [{key: value for key, value in record.items() if key not in _TIMINGS}
           for record in records]
 
 
