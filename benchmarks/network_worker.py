@@ -67,7 +67,8 @@ class Mode(NamedTuple):
       runtime sends as one gloo all-reduce a leaf; ``"fused_pmean"``: the
       same of the tree concatenated into one vector, one call (tensor fusion,
       as Horovod and DDP's buckets do); a ``method=`` of
-      :func:`qsgd_jax.quantized_pmean` (``"two_phase"``, ``"psum"``); or
+      :func:`qsgd_jax.quantized_pmean` (``"two_phase"``, ``"psum"``,
+      ``"all_gather"``); or
       ``"ring"``: one step of :func:`qsgd_jax.low_precision_decentralized`,
       which sends the compressed model difference to both ring neighbours
       instead of averaging.
@@ -77,8 +78,7 @@ class Mode(NamedTuple):
   method: str
 
 
-# One line a mode. A new method of quantized_pmean is one more line, e.g.
-# "qsgd4/all_gather": Mode(qsgd_jax.QSGD(bits=4), "all_gather").
+# One line a mode: a new method of quantized_pmean is one more line.
 MODES = {
     "fp32_pmean": Mode(None, "pmean"),
     "fp32_pmean/fused": Mode(None, "fused_pmean"),
@@ -87,11 +87,12 @@ MODES = {
     "qsgd2/psum": Mode(qsgd_jax.QSGD(bits=2), "psum"),
     "qsgd4/two_phase": Mode(qsgd_jax.QSGD(bits=4), "two_phase"),
     "qsgd4/psum": Mode(qsgd_jax.QSGD(bits=4), "psum"),
+    "qsgd4/all_gather": Mode(qsgd_jax.QSGD(bits=4), "all_gather"),
     "qsgd8/two_phase": Mode(qsgd_jax.QSGD(bits=8), "two_phase"),
     "qsgd8/psum": Mode(qsgd_jax.QSGD(bits=8), "psum"),
     "minmax8/two_phase": Mode(qsgd_jax.MinMax(bits=8), "two_phase"),
     "onebit/two_phase": Mode(qsgd_jax.OneBit(), "two_phase"),
-    "decentralized8/ring": Mode(qsgd_jax.MinMax(bits=8), "ring"),
+    "decentralized8/ring": Mode(qsgd_jax.NearestZeroAlignedMinMax(bits=8), "ring"),
 }
 
 

@@ -103,7 +103,8 @@ def create_optimizer(config: ml_collections.ConfigDict,
   """SGD with Nesterov momentum and weight decay, after the gradients are averaged.
 
   ``decentralized8`` has no all-reduce: every device takes its own SGD step and
-  exchanges 8-bit differences of its model with its two ring neighbours.
+  exchanges 8-bit differences of its model with its two ring neighbours, in
+  Bagua's buckets and with Bagua's quantizer (the library's defaults).
   """
   is_kernel = functools.partial(jax.tree.map, lambda x: x.ndim > 1)
   local_step = optax.chain(
@@ -111,9 +112,7 @@ def create_optimizer(config: ml_collections.ConfigDict,
       optax.sgd(learning_rate_fn, momentum=config.momentum, nesterov=config.nesterov),
   )
   if config.compression == "decentralized8":
-    return qsgd_jax.low_precision_decentralized(
-        local_step, AXIS, compressor=qsgd_jax.MinMax(bits=8), key=config.seed
-    )
+    return qsgd_jax.low_precision_decentralized(local_step, AXIS, key=config.seed)
   return optax.chain(gradient_averaging(config), local_step)
 
 
