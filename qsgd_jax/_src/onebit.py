@@ -5,8 +5,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qsgd_jax._src import base, packing
+
+_OVERFLOW_SCALE = 2.0**-64  # Sums of float32 times this cannot overflow.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +71,13 @@ class OneBit(base.Compressor):
     flat = x.reshape(-1)
     bucket_len = self._bucket_len(x.shape)
     buckets = base.to_buckets(flat, bucket_len)
-    valid = base.to_buckets(jnp.ones(flat.shape, bool), bucket_len)
-    negative = buckets < 0
-    scales = jnp.stack(
-        [_masked_mean(buckets, valid & ~negative), _masked_mean(buckets, valid & negative)],
-        axis=1,
-    )
+    # Elements a bucket (the last one may be short), static.
+    sizes = np.full(buckets.shape[0], bucket_len, np.int32)
+    if flat.size:
+      sizes[-1] = flat.size - (buckets.shape[0] - 1) * bucket_len
     return base.Payload(
-        packed=packing.pack_prefix(negative.astype(jnp.uint32), flat.size, 1),
-        scales=scales,
+        packed=packing.pack_prefix((buckets < 0).astype(jnp.uint32), flat.size, 1),
+        scales=_side_means(buckets, sizes),
         shape=x.shape,
         dtype=dtype,
     )
@@ -88,17 +90,53 @@ class OneBit(base.Compressor):
     return base.from_buckets(values, payload.shape).astype(payload.dtype)
 
 
-def _masked_mean(buckets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-bucket mean of the entries under ``mask``; zero where none are.
+def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:
+  """Each bucket's means of its non-negative and of its negative entries, ``[num_buckets, 2]``.
 
-  The masked sum and the count are one two-operand reduction, which XLA on CPU
-  computes in one pass over ``buckets``; a plain float sum of the masked array
-  would first write that whole array out.
+  Each side's sum and count is one two-operand reduction, a float and an
+  integer sum, which XLA on CPU vectorizes in one pass over the elements
+  (it runs a reduction of two float sums as a scalar loop, and hands a plain
+  float sum of a computed array to a library after writing that array out).
+  The padding (zeros, past ``sizes``) adds nothing to the sums and is taken
+  out of the counts. A side with no entries has mean zero.
+
+  A float32 sum overflows for entries near the float32 maximum although
+  their mean is finite. Where a sum is not finite (overflow, or an infinite
+  or NaN entry), the side is summed again scaled by ``2**-64``, which cannot
+  overflow and, for such a sum, loses nothing that shows; a mean that then
+  rounds past the float32 maximum is clipped to it. The second pass runs
+  only when some sum needs it.
   """
-  total, count = jax.lax.reduce(
-      (jnp.where(mask, buckets, 0.0), mask.astype(jnp.int32)),
-      (jnp.float32(0), jnp.int32(0)),
-      lambda a, b: (a[0] + b[0], a[1] + b[1]),
-      (1,),
-  )
-  return total / jnp.maximum(count, 1).astype(jnp.float32)
+
+  def side_sums(scale):
+    # The sides are recomputed here: a mask passed into the second pass would
+    # be written out in full for it.
+    negative = buckets < 0
+    scaled = buckets * scale
+
+    def masked_sum(mask):
+      return jax.lax.reduce(
+          (jnp.where(mask, scaled, 0.0), mask.astype(jnp.int32)),
+          (np.float32(0), np.int32(0)),
+          lambda a, b: (a[0] + b[0], a[1] + b[1]),
+          (1,),
+      )
+
+    sides = (masked_sum(~negative), masked_sum(negative))
+    return tuple(jnp.stack(side, axis=1) for side in zip(*sides, strict=True))
+
+  sums, counts = side_sums(jnp.float32(1))
+  padding = np.stack([buckets.shape[1] - sizes, np.zeros_like(sizes)], axis=1)
+  counts = jnp.maximum(counts - padding, 1).astype(jnp.float32)
+  overflowed = ~jnp.isfinite(sums)
+  plain = sums / counts
+
+  def rescaled_means():
+    scaled, _ = side_sums(jnp.float32(_OVERFLOW_SCALE))
+    means = scaled / counts * jnp.float32(1 / _OVERFLOW_SCALE)
+    means = jnp.where(jnp.isfinite(scaled), jnp.clip(means, -_FLOAT32_MAX, _FLOAT32_MAX), means)
+    return jnp.where(overflowed, means, plain)
+
+  # The means come out of the conditional whichever way it goes, so XLA
+  # writes them out rather than fusing the choice into every decoded element.
+  return jax.lax.cond(jnp.any(overflowed), rescaled_means, lambda: plain)
