@@ -491,6 +491,28 @@ def test_top_code_decodes_within_the_scale(compressor):
   np.testing.assert_allclose(decoded, limit, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "compressor, mode",
+    [
+        (qsgd_jax.QSGD(bits=4, bucket_size=256), "constant"),
+        (qsgd_jax.QSGD(bits=5, bucket_size=64, norm="l2"), "constant"),
+        (qsgd_jax.MinMax(bits=8, bucket_size=128), "edge"),
+        (qsgd_jax.OneBit(bucket_size=96), "constant"),
+    ],
+    ids=str,
+)
+def test_short_last_bucket_encodes_as_in_the_padded_array(compressor, mode):
+  # 1000 elements: whole buckets read in place and the short last one
+  # padded alone give the codes (and draws) of the array padded by hand.
+  x = _gaussian((1000,), seed=20)
+  padded = np.pad(x, (0, 1024 - 1000), mode=mode)
+  encode = jax.jit(compressor.encode)
+  payload, reference = encode(KEYS[8], x), encode(KEYS[8], padded)
+  np.testing.assert_array_equal(payload.packed, reference.packed[: payload.packed.size])
+  if not isinstance(compressor, qsgd_jax.OneBit):  # Padded zeros change its means.
+    np.testing.assert_array_equal(payload.scales, reference.scales[: payload.scales.shape[0]])
+
+
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_payload_holds_the_stated_bits(name):
   compressor = COMPRESSORS[name]

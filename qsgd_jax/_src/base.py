@@ -200,6 +200,53 @@ def to_buckets(flat: jax.Array, bucket_len: int, mode: str = "constant") -> jax.
   return flat.reshape(num_buckets, bucket_len)
 
 
+def bucket_parts(
+    flat: jax.Array, bucket_len: int, mode: str = "constant", num_bits: int | None = None
+) -> list[tuple[jax.Array, int, int]]:
+  """The buckets of a vector in parts that XLA reads without copying the vector.
+
+  :func:`to_buckets` pads the whole vector, and XLA on CPU writes that padded
+  copy out in full wherever two computations read it (the scales and the
+  codes do), a whole extra pass. Here the whole buckets are a view of
+  ``flat`` and only a short last bucket is padded, on its own.
+
+  Args:
+    flat: vector of ``n`` elements.
+    bucket_len: static bucket length, at least 1.
+    mode: ``jnp.pad`` mode for the short bucket, as in :func:`to_buckets`.
+    num_bits: bits a code, if the parts' codes are to be packed one after
+      the other: unless the whole buckets fill whole ``uint32`` words, the
+      vector is one padded part, as from :func:`to_buckets`.
+
+  Returns:
+    ``(buckets, start, size)`` for each part, in order: ``buckets`` is
+    ``[num_buckets, bucket_len]``, its first element is element ``start`` of
+    ``flat``, and it holds ``size`` elements of ``flat`` (the rest padding).
+    Together the parts' buckets are :func:`to_buckets` of ``flat``.
+  """
+  n = flat.shape[0]
+  whole, short = divmod(n, bucket_len)
+  if not (whole and short) or (num_bits is not None and bucket_len * num_bits % 32):
+    return [(to_buckets(flat, bucket_len, mode), 0, n)]
+  start = whole * bucket_len
+  last = jnp.pad(flat[start:], (0, bucket_len - short), mode=mode)[None]
+  return [(flat[:start].reshape(whole, bucket_len), 0, start), (last, start, short)]
+
+
+def bucket_parts_with_scales(
+    flat: jax.Array, bucket_len: int, scales: jax.Array, mode: str = "constant",
+    num_bits: int | None = None,
+):
+  """Each part of :func:`bucket_parts`, with the rows of ``scales`` for its buckets.
+
+  Yields:
+    ``(buckets, start, size, part_scales)``.
+  """
+  for buckets, start, size in bucket_parts(flat, bucket_len, mode, num_bits):
+    first = start // bucket_len
+    yield buckets, start, size, scales[first : first + buckets.shape[0]]
+
+
 def _float_bits(buckets: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(buckets.astype(jnp.float32), dtype)
 

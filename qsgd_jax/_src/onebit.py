@@ -70,14 +70,17 @@ class OneBit(base.Compressor):
     x = base.as_float32(x, "OneBit.encode")
     flat = x.reshape(-1)
     bucket_len = self._bucket_len(x.shape)
-    buckets = base.to_buckets(flat, bucket_len)
-    # Elements a bucket (the last one may be short), static.
-    sizes = np.full(buckets.shape[0], bucket_len, np.int32)
-    if flat.size:
-      sizes[-1] = flat.size - (buckets.shape[0] - 1) * bucket_len
+    words, scales = [], []
+    for buckets, _, size in base.bucket_parts(flat, bucket_len, num_bits=1):
+      # Elements a bucket (the last one may be short), static.
+      sizes = np.full(buckets.shape[0], bucket_len, np.int32)
+      if size:
+        sizes[-1] = size - (buckets.shape[0] - 1) * bucket_len
+      words.append(packing.pack_prefix((buckets < 0).astype(jnp.uint32), size, 1))
+      scales.append(_side_means(buckets, sizes))
     return base.Payload(
-        packed=packing.pack_prefix((buckets < 0).astype(jnp.uint32), flat.size, 1),
-        scales=_side_means(buckets, sizes),
+        packed=jnp.concatenate(words),
+        scales=jnp.concatenate(scales),
         shape=x.shape,
         dtype=dtype,
     )

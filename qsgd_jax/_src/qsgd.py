@@ -127,20 +127,39 @@ class QSGD(base.SharedScaleCompressor):
 
   def local_scales(self, x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
-    buckets = self._buckets(base.as_float32(x, "QSGD.local_scales"))
+    parts = self._parts(base.as_float32(x, "QSGD.local_scales"))
     if self.norm == "max":
-      return base.bucket_max_abs(buckets)[:, None]
-    return _l2_norms(buckets, float(jnp.finfo(x.dtype).max))[:, None]
+      scales = [base.bucket_max_abs(buckets) for buckets, _, _ in parts]
+    else:
+      largest = float(jnp.finfo(x.dtype).max)
+      scales = [_l2_norms(buckets, largest) for buckets, _, _ in parts]
+    return jnp.concatenate(scales)[:, None]
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
     x = base.as_float32(x, "QSGD.integer_codes")
-    buckets = self._buckets(x)
-    level = self._bucket_levels(key, buckets, scales)
-    return jnp.where(buckets < 0, -level, level).reshape(-1)[: x.size]
+    codes = []
+    for buckets, start, size, part_scales in self._parts_and_scales(x, scales):
+      level = self._bucket_levels(key, buckets, part_scales, start)
+      codes.append(jnp.where(buckets < 0, -level, level).reshape(-1)[:size])
+    return jnp.concatenate(codes)
 
-  def _bucket_levels(self, key: jax.Array, buckets: jax.Array, scales: jax.Array) -> jax.Array:
+  def _parts(self, x: jax.Array) -> list:
+    """``x``'s buckets as :func:`base.bucket_parts`: no padded copy of ``x``."""
+    return base.bucket_parts(x.reshape(-1), self._bucket_len(x.size))
+
+  def _parts_and_scales(self, x: jax.Array, scales: jax.Array, num_bits: int | None = None):
+    return base.bucket_parts_with_scales(
+        x.reshape(-1), self._bucket_len(x.size), scales, num_bits=num_bits
+    )
+
+  def _bucket_levels(
+      self, key: jax.Array, buckets: jax.Array, scales: jax.Array, start: int
+  ) -> jax.Array:
     """``int32[num_buckets, bucket_len]`` levels ``l_i`` of ``|buckets|``.
+
+    ``start`` is the index of the buckets' first element in the whole array
+    (for the random draws).
 
     ``s |v_i| / ||v||`` is computed as ``(|v_i| f) (s / (||v|| f))`` with
     ``f`` a power of two that brings the scale to ``[1, 4)``: the same float
@@ -154,7 +173,7 @@ class QSGD(base.SharedScaleCompressor):
     # on s; the bucket's non-finite scale marks it on decode.
     inverse_step = jnp.where(normalized > 0, self.levels / normalized, 0.0)
     y = jnp.abs(buckets * normalizer[:, None]) * inverse_step[:, None]
-    return rounding.round_stochastic_to_level(key, y, self.levels)
+    return rounding.round_stochastic_to_level(key, y, self.levels, start)
 
   def decode_code_sum(self, total, scales, count, shape):
     del count  # Levels add linearly: the sum decodes like one device's codes.
@@ -164,20 +183,16 @@ class QSGD(base.SharedScaleCompressor):
     dtype = jnp.asarray(x).dtype
     scales = self.local_scales(x)
     x = base.as_float32(x, "QSGD.encode")
-    buckets = self._buckets(x)
-    level = self._bucket_levels(key, buckets, scales)
-    # The sign bit is x's own (a negative value whose level is 0 keeps it:
-    # it decodes to 0 all the same).
-    sign = (jax.lax.bitcast_convert_type(buckets, jnp.uint32) >> 31) << (self.bits - 1)
+    words = []
+    for buckets, start, size, part_scales in self._parts_and_scales(x, scales, self.bits):
+      level = self._bucket_levels(key, buckets, part_scales, start)
+      # The sign bit is x's own (a negative value whose level is 0 keeps it:
+      # it decodes to 0 all the same).
+      sign = (jax.lax.bitcast_convert_type(buckets, jnp.uint32) >> 31) << (self.bits - 1)
+      words.append(packing.pack_prefix(sign | level.astype(jnp.uint32), size, self.bits))
     return base.Payload(
-        packed=packing.pack_prefix(sign | level.astype(jnp.uint32), x.size, self.bits),
-        scales=scales,
-        shape=x.shape,
-        dtype=dtype,
+        packed=jnp.concatenate(words), scales=scales, shape=x.shape, dtype=dtype
     )
-
-  def _buckets(self, x: jax.Array) -> jax.Array:
-    return base.to_buckets(x.reshape(-1), self._bucket_len(x.size))
 
   def _dequantize(self, levels: jax.Array, scales: jax.Array, shape) -> jax.Array:
     """``levels * step``, computed on the normalized scale and scaled back.

@@ -45,11 +45,11 @@ def _mix(x: jax.Array) -> jax.Array:
   return x * jnp.uint32(0x846CA68B)
 
 
-def _counter(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """``row_major_index * (a | 1) + c`` (mod ``2**32``) for every position of ``shape``."""
+def _counter(key: jax.Array, shape: tuple[int, ...], start: int) -> jax.Array:
+  """``(start + row_major_index) * (a | 1) + c`` (mod ``2**32``) for every position of ``shape``."""
   seed = jax.random.bits(key, (2,), jnp.uint32)
   multiplier = seed[0] | jnp.uint32(1)
-  counter = jnp.broadcast_to(seed[1], shape)
+  counter = jnp.broadcast_to(seed[1] + multiplier * jnp.uint32(start % 2**32), shape)
   for axis, stride in enumerate(np.cumprod((1, *shape[:0:-1]))[::-1]):
     if shape[axis] > 1:
       # Strides of arrays of 2**32 elements or more wrap, like the counter.
@@ -60,26 +60,29 @@ def _counter(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return counter
 
 
-def uniform_grid(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def uniform_grid(key: jax.Array, shape: tuple[int, ...], start: int = 0) -> jax.Array:
   """Uniform integers in ``[0, 2**24)``, one a position of ``shape``.
 
   Args:
     key: a PRNG key (typed or raw ``uint32[2]``).
     shape: static output shape; elements are counted in row-major order.
+    start: static index of the first element: the draws are those of
+      elements ``start, start + 1, ...`` of a longer array, so an array
+      handled in parts gets the draws it would get whole.
 
   Returns:
     ``uint32`` array of ``shape``.
   """
   shape = tuple(shape)
-  return _mix(_counter(key, shape)) >> (32 - _UNIFORM_BITS)
+  return _mix(_counter(key, shape, start)) >> (32 - _UNIFORM_BITS)
 
 
-def _round_up(key: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _round_up(key: jax.Array, y: jax.Array, start: int = 0) -> tuple[jax.Array, jax.Array]:
   """``floor(y)`` and whether ``y`` rounds up: a draw below ``2**24 * frac(y)``."""
   floor = jnp.floor(y)
   threshold = (y - floor) * jnp.float32(2**_UNIFORM_BITS)
   # The draws are below 2**24: a signed conversion to float32 is exact.
-  draw = jax.lax.bitcast_convert_type(uniform_grid(key, y.shape), jnp.int32)
+  draw = jax.lax.bitcast_convert_type(uniform_grid(key, y.shape, start), jnp.int32)
   return floor, draw.astype(jnp.float32) < threshold
 
 
@@ -100,7 +103,7 @@ def round_stochastic(key: jax.Array, y: jax.Array) -> jax.Array:
   return floor + up.astype(jnp.float32)
 
 
-def round_stochastic_to_level(key: jax.Array, y: jax.Array, top: int) -> jax.Array:
+def round_stochastic_to_level(key: jax.Array, y: jax.Array, top: int, start: int = 0) -> jax.Array:
   """:func:`round_stochastic` of ``y >= 0``, clamped to ``top``, as ``int32``.
 
   Float error can push ``y`` a hair past ``top`` and non-finite input gives
@@ -116,11 +119,12 @@ def round_stochastic_to_level(key: jax.Array, y: jax.Array, top: int) -> jax.Arr
     key: a PRNG key.
     y: float32 array of non-negative values (or NaN).
     top: the largest level, below ``2**23``.
+    start: static index of ``y``'s first element, as in :func:`uniform_grid`.
 
   Returns:
     int32 array of levels in ``[0, top]``, the shape of ``y``.
   """
-  floor, up = _round_up(key, y)
+  floor, up = _round_up(key, y, start)
   shifted = jax.lax.bitcast_convert_type(floor + jnp.float32(_MANTISSA), jnp.int32)
   level = shifted - jnp.int32(_MANTISSA_BITS) + up.astype(jnp.int32)
   return jnp.minimum(level, jnp.int32(top))
