@@ -343,7 +343,9 @@ def power_of_two_normalizer(magnitude: jax.Array) -> jax.Array:
   for the biased exponent ``e`` of ``magnitude``, kept within ``[2**-126,
   2**126]``: ``magnitude * f`` is in ``[1, 2)`` for a normal magnitude below
   ``2**127``. Zero, infinite and NaN magnitudes get a finite ``f`` too, so
-  they stay zero, infinite and NaN.
+  they stay zero, infinite and NaN. (XLA on CPU flushes subnormal floats to
+  zero in arithmetic, so there a subnormal magnitude times ``f`` is zero: a
+  bucket of subnormals counts as a bucket of zeros.)
 
   Args:
     magnitude: ``float32`` non-negative values (or NaN).
