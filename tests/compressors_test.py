@@ -513,6 +513,23 @@ def test_short_last_bucket_encodes_as_in_the_padded_array(compressor, mode):
     np.testing.assert_array_equal(payload.scales, reference.scales[: payload.scales.shape[0]])
 
 
+@pytest.mark.parametrize(
+    "compressor",
+    [qsgd_jax.QSGD(bits=4, bucket_size=512), qsgd_jax.QSGD(bits=8, bucket_size=512, norm="l2"),
+     qsgd_jax.MinMax(bits=8, bucket_size=512), qsgd_jax.OneBit(bucket_size=512)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_encode_writes_no_copy_of_its_input(compressor, dtype):
+  # A size that is not a multiple of the bucket, and an input computed in
+  # the same program: XLA's temporaries stay a small fraction of the input.
+  size = 100_000 - 37
+  x = jax.ShapeDtypeStruct((size,), dtype)
+  for encode in (compressor.encode, lambda key, x: compressor.encode(key, jnp.sin(x))):
+    compiled = jax.jit(encode).lower(KEYS[0], x).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * size * np.dtype(dtype).itemsize
+
+
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_payload_holds_the_stated_bits(name):
   compressor = COMPRESSORS[name]

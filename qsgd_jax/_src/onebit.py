@@ -9,7 +9,6 @@ import numpy as np
 
 from qsgd_jax._src import base, packing
 
-_OVERFLOW_SCALE = 2.0**-64  # Sums of float32 times this cannot overflow.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -103,43 +102,29 @@ def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:
   The padding (zeros, past ``sizes``) adds nothing to the sums and is taken
   out of the counts. A side with no entries has mean zero.
 
-  A float32 sum overflows for entries near the float32 maximum although
-  their mean is finite. Where a sum is not finite (overflow, or an infinite
-  or NaN entry), the side is summed again scaled by ``2**-64``, which cannot
-  overflow and, for such a sum, loses nothing that shows; a mean that then
-  rounds past the float32 maximum is clipped to it. The second pass runs
-  only when some sum needs it.
+  A float32 sum of entries near the float32 maximum overflows although their
+  mean is finite, so the entries are summed scaled by ``2**-k``, ``2**k`` at
+  least twice the bucket length: no sum can overflow. The scaling is exact
+  (and commutes with the rounding of the sums) for entries of magnitude at
+  least ``2**(k - 126)``; smaller ones (below about ``1e-35`` for buckets of
+  512) count as zeros, as subnormal ones do where XLA flushes them. A mean
+  that rounds past the float32 maximum is clipped to it.
   """
+  exponent = int(buckets.shape[1]).bit_length() + 1
+  scaled = buckets * np.float32(2.0**-exponent)
+  negative = buckets < 0
 
-  def side_sums(scale):
-    # The sides are recomputed here: a mask passed into the second pass would
-    # be written out in full for it.
-    negative = buckets < 0
-    scaled = buckets * scale
+  def masked_sum(mask):
+    return jax.lax.reduce(
+        (jnp.where(mask, scaled, 0.0), mask.astype(jnp.int32)),
+        (np.float32(0), np.int32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (1,),
+    )
 
-    def masked_sum(mask):
-      return jax.lax.reduce(
-          (jnp.where(mask, scaled, 0.0), mask.astype(jnp.int32)),
-          (np.float32(0), np.int32(0)),
-          lambda a, b: (a[0] + b[0], a[1] + b[1]),
-          (1,),
-      )
-
-    sides = (masked_sum(~negative), masked_sum(negative))
-    return tuple(jnp.stack(side, axis=1) for side in zip(*sides, strict=True))
-
-  sums, counts = side_sums(jnp.float32(1))
+  sides = (masked_sum(~negative), masked_sum(negative))
+  sums, counts = (jnp.stack(side, axis=1) for side in zip(*sides, strict=True))
   padding = np.stack([buckets.shape[1] - sizes, np.zeros_like(sizes)], axis=1)
   counts = jnp.maximum(counts - padding, 1).astype(jnp.float32)
-  overflowed = ~jnp.isfinite(sums)
-  plain = sums / counts
-
-  def rescaled_means():
-    scaled, _ = side_sums(jnp.float32(_OVERFLOW_SCALE))
-    means = scaled / counts * jnp.float32(1 / _OVERFLOW_SCALE)
-    means = jnp.where(jnp.isfinite(scaled), jnp.clip(means, -_FLOAT32_MAX, _FLOAT32_MAX), means)
-    return jnp.where(overflowed, means, plain)
-
-  # The means come out of the conditional whichever way it goes, so XLA
-  # writes them out rather than fusing the choice into every decoded element.
-  return jax.lax.cond(jnp.any(overflowed), rescaled_means, lambda: plain)
+  means = sums / counts * np.float32(2.0**exponent)
+  return jnp.where(jnp.isfinite(sums), jnp.clip(means, -_FLOAT32_MAX, _FLOAT32_MAX), means)

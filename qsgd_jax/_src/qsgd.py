@@ -257,34 +257,25 @@ class QSGD(base.SharedScaleCompressor):
 def _l2_norms(buckets: jax.Array, largest: float) -> jax.Array:
   """Each bucket's L2 norm, ``float32[num_buckets]``, without overflow or underflow.
 
-  One pass sums the plain squares and finds each bucket's largest magnitude.
   A plain float32 sum of squares overflows for values above about ``1e19``
   and loses the squares below the smallest normal float (values below about
-  ``1e-19``); the buckets where it did (it is infinite though the values are
-  finite, or too small to be exact to float32 precision) are summed again,
-  their values scaled by a power of two that brings the largest magnitude to
-  ``[1, 4)``, where neither can happen. That second pass runs only when some
-  bucket needs it. Scaling by a power of two is exact and commutes with the
-  square root, so the two agree wherever both are exact.
+  ``1e-19``). Here a first pass finds each bucket's largest magnitude, and a
+  second sums the squares of the values scaled by a power of two that brings
+  it to ``[1, 4)``, where neither can happen. Scaling by a power of two is
+  exact and commutes with the square root, so for ordinary buckets the norm
+  is the float the plain sum gives. (The second pass finds the magnitudes
+  again: an integer-and-float reduction, which XLA on CPU vectorizes, where a
+  lone float sum of a computed array would be handed to a library after
+  writing that array out. Two passes always, rather than a second pass under
+  a ``cond`` when needed: a ``cond`` would make XLA write out a copy of its
+  operand, the input, whenever that is not already an array in memory.)
 
   A norm above ``largest``, the maximum of the input's dtype, becomes
   ``largest``: still at least every magnitude in the bucket, which is all
   that unbiasedness needs of a scale, and every decoded value, at most the
   scale, then fits the dtype.
   """
-  magnitude, sum_of_squares = base.bucket_max_abs_and_sum_of_squares(
-      buckets, jnp.ones(buckets.shape[:1], jnp.float32)
-  )
-  # Squares below the smallest normal float are lost (or flushed to zero):
-  # at most bucket_len * 2**-126 in all, below 2**-24 of a sum this large.
-  exact = sum_of_squares >= buckets.shape[1] * 2.0**-102
-  suspect = jnp.isfinite(magnitude) & (magnitude > 0) & ~(exact & jnp.isfinite(sum_of_squares))
-  plain = jnp.sqrt(sum_of_squares)
-
-  def rescaled_norms():
-    normalizer = base.power_of_two_normalizer(magnitude)
-    _, scaled = base.bucket_max_abs_and_sum_of_squares(buckets, normalizer)
-    return jnp.where(suspect, jnp.sqrt(scaled) / normalizer, plain)
-
-  norms = jax.lax.cond(jnp.any(suspect), rescaled_norms, lambda: plain)
+  normalizer = base.power_of_two_normalizer(base.bucket_max_abs(buckets))
+  magnitude, sum_of_squares = base.bucket_max_abs_and_sum_of_squares(buckets, normalizer)
+  norms = jnp.sqrt(sum_of_squares) / normalizer
   return jnp.where(jnp.isfinite(magnitude), jnp.minimum(norms, largest), norms)
