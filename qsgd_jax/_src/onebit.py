@@ -107,8 +107,12 @@ def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:
   least twice the bucket length: no sum can overflow. The scaling is exact
   (and commutes with the rounding of the sums) for entries of magnitude at
   least ``2**(k - 126)``; smaller ones (below about ``1e-35`` for buckets of
-  512) count as zeros, as subnormal ones do where XLA flushes them. A mean
-  that rounds past the float32 maximum is clipped to it.
+  512) count as zeros, as subnormal ones do where XLA flushes them.
+
+  A finite scaled sum is clipped to the largest float whose quotient cannot
+  round past the float32 maximum, so a mean of finite entries is finite.
+  The division comes last: XLA then computes the means on their own rather
+  than fusing the clipping into every decoded element.
   """
   exponent = int(buckets.shape[1]).bit_length() + 1
   scaled = buckets * np.float32(2.0**-exponent)
@@ -125,6 +129,8 @@ def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:
   sides = (masked_sum(~negative), masked_sum(negative))
   sums, counts = (jnp.stack(side, axis=1) for side in zip(*sides, strict=True))
   padding = np.stack([buckets.shape[1] - sizes, np.zeros_like(sizes)], axis=1)
-  counts = jnp.maximum(counts - padding, 1).astype(jnp.float32)
-  means = sums / counts * np.float32(2.0**exponent)
-  return jnp.where(jnp.isfinite(sums), jnp.clip(means, -_FLOAT32_MAX, _FLOAT32_MAX), means)
+  # Exact: counts are integers below 2**24, scaled by a power of two.
+  divisors = jnp.maximum(counts - padding, 1).astype(jnp.float32) * np.float32(2.0**-exponent)
+  bound = jnp.nextafter(_FLOAT32_MAX * divisors, 0.0)  # At most _FLOAT32_MAX * divisors.
+  sums = jnp.where(jnp.isfinite(sums), jnp.clip(sums, -bound, bound), sums)
+  return sums / divisors
