@@ -57,6 +57,12 @@ COMPRESSORS = {
 }
 
 
+# The project's kernel targets: median wall-clock ratios to ``x * 2 + 1`` that
+# these compressors' encode and decode(encode) should not exceed.
+KERNEL_TARGETS = {"encode_decode": 2.0, "encode": 1.5}
+TARGETED = ("qsgd_4bit_bucket512_max", "qsgd_8bit_bucket512_max", "minmax_8bit")
+
+
 # Datasheet memory bandwidth in GB/s, by a prefix of ``device_kind``.
 PEAK_MEMORY_GB_PER_S = {
     "NVIDIA H200": 4800,
@@ -156,6 +162,18 @@ def run(device, size: int, repeats: int) -> dict:
   return results
 
 
+def target_checks(results: dict) -> dict:
+  """For each targeted compressor and part, its ratio, the target, and whether it is met."""
+  return {
+      name: {
+          part: {"ratio": results[name][part]["ratio"], "target": target,
+                 "met": results[name][part]["ratio"] <= target}
+          for part, target in KERNEL_TARGETS.items()
+      }
+      for name in TARGETED
+  }
+
+
 def add_bandwidth_fractions(results: dict, peak_gb_per_s: float) -> None:
   """Adds each encode's and decode's traffic as a fraction of ``peak_gb_per_s``."""
   for name in COMPRESSORS:
@@ -179,6 +197,14 @@ def _print_table(results: dict, peak: dict) -> None:
     )
   for name in ("jax_random_uniform", "rounding_uniform_grid"):
     print(f"{name:<26}{_cell(results[name]['draw'])}")
+  print("\nkernel targets (median wall-clock ratio to the floor):")
+  for name, parts in target_checks(results).items():
+    cells = "".join(
+        f"  {part} {check['ratio']:.2f} (target {check['target']:.1f}: "
+        f"{'met' if check['met'] else 'missed'})"
+        for part, check in parts.items()
+    )
+    print(f"{name:<26}{cells}")
   print(f"\nmemory traffic (float32 array + payload), against {peak['gb_per_s']:.0f} GB/s"
         f" ({peak['source']}):")
   print(f"{'':<26}{'encode GB/s':>12}{'of peak':>9}{'decode GB/s':>13}{'of peak':>9}")
@@ -230,6 +256,7 @@ def main() -> None:
       "processor": platform.processor() or platform.machine(),
       "cpus_allowed": len(os.sched_getaffinity(0)),
       "results": results,
+      "kernel_targets": target_checks(results),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   suffix = "" if device.platform == "cpu" else f"_{device.platform}"

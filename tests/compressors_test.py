@@ -408,6 +408,203 @@ def test_non_finite_input_stays_non_finite(name):
     assert not np.isfinite(rows[row, index]), SPECIAL_ROWS[row, index]
 
 
+# Inputs at the edges of each floating dtype: five rows of 500 (one segment a
+# row, so OneBit's per-row buckets are homogeneous and the other bucket sizes
+# straddle segments).
+EDGE_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
+
+
+def _edge_values(dtype) -> np.ndarray:
+  """Values near the dtype's maximum, large, tiny (subnormal), and mixed, mixed signs."""
+  info = jnp.finfo(dtype)
+  big, tiny = float(info.max), float(info.smallest_subnormal)
+  rng = np.random.default_rng(17)
+  signs = rng.choice([-1.0, 1.0], 500)
+  near_max = rng.uniform(0.5, 1.0, 500) * big * signs
+  near_max[:2] = big, -big
+  same_sign = rng.uniform(0.9, 1.0, 500) * big  # Their float32 sums overflow.
+  # Squares overflow float32 above about 1e19, though the norms do not.
+  large = np.minimum(10.0 ** rng.uniform(19, 30, 500), big / 2) * signs
+  subnormal = rng.integers(1, 64, 500) * tiny * signs
+  mixed = np.where(np.arange(500) % 2, near_max, subnormal)
+  rows = np.stack([near_max, same_sign, large, subnormal, mixed])
+  return np.asarray(jnp.asarray(rows, jnp.float32).astype(dtype))
+
+
+@functools.cache
+def _edge_round_trips(name: str):
+  """Payloads and round trips of the edge values of every dtype, one program."""
+  compressor = COMPRESSORS[name]
+
+  @jax.jit
+  def run(key, cases):
+    payloads = {case: compressor.encode(key, x) for case, x in cases.items()}
+    return payloads, {case: compressor.decode(p) for case, p in payloads.items()}
+
+  cases = {case: _edge_values(dtype) for case, dtype in EDGE_DTYPES.items()}
+  return cases, *run(KEYS[6], cases)
+
+
+# Cast overflows (to inf, as documented) where its dtype's range differs: bf16
+# rounds float16's maximum up past it, and the float32 maximum past its own.
+EDGE_CASES = [
+    (name, case) for name in COMPRESSORS for case in EDGE_DTYPES
+    if not name.startswith("cast") or name == f"cast_{case}"
+]
+
+
+@pytest.mark.parametrize("name, case", EDGE_CASES)
+def test_edges_of_the_dtype_decode_finite_and_within_the_error_bound(name, case):
+  compressor = COMPRESSORS[name]
+  cases, payloads, decoded = _edge_round_trips(name)
+  x = np.asarray(cases[case], np.float64)
+  y = np.asarray(decoded[case], np.float64)
+  assert decoded[case].dtype == cases[case].dtype
+  assert np.all(np.isfinite(y)), case
+  # Slack: the output dtype's rounding, and float32 subnormals, which XLA on
+  # CPU flushes to zero.
+  info = jnp.finfo(cases[case].dtype)
+  flushed = float(jnp.finfo(jnp.float32).tiny) + float(info.smallest_subnormal)
+  scales = np.asarray(payloads[case].scales, np.float64)
+  if isinstance(compressor, qsgd_jax.QSGD | qsgd_jax.MinMax):
+    step, _ = _rounding_grid(compressor, x, scales)
+    step = step.reshape(x.shape)
+    slack = float(info.eps) * (np.abs(x) + step) + flushed
+    np.testing.assert_array_less(np.abs(y - x), step * (1 + 1e-5) + slack)
+    bucket = _buckets(x.reshape(-1), compressor.bucket_size, x.size).reshape(x.shape)
+    if isinstance(compressor, qsgd_jax.QSGD):  # Never above the bucket's scale.
+      np.testing.assert_array_less(np.abs(y), scales[bucket, 0] * (1 + float(info.eps)) + flushed)
+    else:  # Within the bucket's range.
+      assert np.all(y >= scales[bucket, 0] - slack) and np.all(y <= scales[bucket, 1] + slack)
+  elif isinstance(compressor, qsgd_jax.OneBit):
+    # The sides are the payload's bits: x < 0, but for float32 subnormals,
+    # zeros (either side) where XLA flushes them.
+    negative = np.asarray(packing.unpack(payloads[case].packed, x.size, 1), bool)
+    normal = np.abs(x.reshape(-1)) >= float(jnp.finfo(jnp.float32).tiny)
+    np.testing.assert_array_equal(negative[normal], x.reshape(-1)[normal] < 0)
+    expected = _side_means_reference(x, negative, compressor.bucket_size)
+    rtol = 1e-5 + float(info.eps)
+    np.testing.assert_array_less(np.abs(y - expected), rtol * np.abs(expected) + flushed)
+  elif isinstance(compressor, qsgd_jax.NearestZeroAlignedMinMax):
+    # Rounded to nearest: within half a step of the bucket's range over 2**bits - 1.
+    bucket = _buckets(x.reshape(-1), compressor.bucket_size, x.size).reshape(x.shape)
+    step = (scales[bucket, 1] - scales[bucket, 0] + 1e-7) / compressor.num_steps
+    slack = float(info.eps) * (np.abs(x) + step) + flushed
+    np.testing.assert_array_less(np.abs(y - x), 0.5 * step * (1 + 1e-5) + slack)
+  else:
+    np.testing.assert_array_less(np.abs(y - x), float(info.eps) * np.abs(x) + flushed)
+
+
+def _side_means_reference(x: np.ndarray, negative: np.ndarray, bucket_size) -> np.ndarray:
+  """Each element's bucket mean of its side, the sides given."""
+  _, bucket = _onebit_reference(x, bucket_size)
+  flat = x.reshape(-1)
+  expected = np.empty_like(flat)
+  for b in np.unique(bucket):
+    for side in (negative, ~negative):
+      members = (bucket == b) & side
+      expected[members] = flat[members].mean() if members.any() else 0.0
+  return expected.reshape(x.shape)
+
+
+@pytest.mark.parametrize("case", list(EDGE_DTYPES))
+def test_l2_norm_of_large_values_is_exact_and_clipped_to_the_dtype(case):
+  compressor = COMPRESSORS["qsgd3levels_l2_bucket100"]
+  cases, payloads, _ = _edge_round_trips("qsgd3levels_l2_bucket100")
+  x = np.asarray(cases[case], np.float64).reshape(-1, 100)
+  norms = np.sqrt(np.sum(x**2, axis=1))
+  scales = np.asarray(payloads[case].scales[:, 0], np.float64)
+  largest = float(jnp.finfo(cases[case].dtype).max)
+  clipped = norms > largest
+  assert compressor.norm == "l2" and clipped.any() and not clipped.all()
+  np.testing.assert_array_equal(scales[clipped], largest)
+  # Rows of values whose float32 squares overflow (row 2) and underflow (row
+  # 3); float32 subnormals count as zeros where XLA flushes them.
+  flushed = np.sqrt(100) * float(jnp.finfo(jnp.float32).tiny)
+  np.testing.assert_allclose(scales[~clipped], norms[~clipped], rtol=1e-6, atol=flushed)
+
+
+@pytest.mark.parametrize(
+    "compressor", [qsgd_jax.QSGD(bits=16, bucket_size=None), qsgd_jax.MinMax(bits=8)], ids=str
+)
+def test_small_normal_values_quantize_on_their_own_scale(compressor):
+  # A scale of 1e-36 has no float32 reciprocal over 2**15 levels or 255 steps.
+  x = (np.random.default_rng(18).uniform(-1, 1, 1000) * 1e-36).astype(np.float32)
+  payload = compressor.encode(KEYS[7], x)
+  y = np.asarray(compressor.decode(payload), np.float64)
+  x = x.astype(np.float64)
+  step, _ = _rounding_grid(compressor, x, np.asarray(payload.scales, np.float64))
+  # Decoded values below the smallest normal float32 may be flushed to zero.
+  flushed = float(jnp.finfo(jnp.float32).tiny)
+  np.testing.assert_array_less(np.abs(y - x), step * (1 + 1e-5) + flushed)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [qsgd_jax.QSGD(levels=levels, bucket_size=1) for levels in (1, 3, 7, 127, 2**15 - 1)]
+    + [qsgd_jax.MinMax(bits=bits, bucket_size=1) for bits in (1, 2, 8, 16)],
+    ids=str,
+)
+def test_top_code_decodes_within_the_scale(compressor):
+  # 20000 one-element buckets with scales across every exponent, and at the
+  # float32 maximum: the top code never decodes past the largest value.
+  rng = np.random.default_rng(19)
+  largest = float(jnp.finfo(jnp.float32).max)
+  high = (rng.uniform(1, 2, 20000) * 2.0 ** rng.integers(-126, 128, 20000)).astype(np.float32)
+  high[:100] = largest
+  high = np.where(np.isfinite(high), high, largest).astype(np.float32)
+  low = (-high * rng.uniform(0, 1, 20000)).astype(np.float32)
+  top = compressor.code_range[1]
+  if isinstance(compressor, qsgd_jax.QSGD):
+    scales, limit = high[:, None], high
+  else:
+    scales, limit = np.stack([low, high], axis=1), high
+  total = jnp.full((20000,), top, jnp.int32)
+  decoded = jax.jit(compressor.decode_code_sum, static_argnums=(2, 3))(total, scales, 1, (20000,))
+  decoded = np.asarray(decoded, np.float64)
+  assert np.all(decoded <= limit)
+  np.testing.assert_allclose(decoded, limit, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "compressor, mode",
+    [
+        (qsgd_jax.QSGD(bits=4, bucket_size=256), "constant"),
+        (qsgd_jax.QSGD(bits=5, bucket_size=64, norm="l2"), "constant"),
+        (qsgd_jax.MinMax(bits=8, bucket_size=128), "edge"),
+        (qsgd_jax.OneBit(bucket_size=96), "constant"),
+    ],
+    ids=str,
+)
+def test_short_last_bucket_encodes_as_in_the_padded_array(compressor, mode):
+  # 1000 elements: whole buckets read in place and the short last one
+  # padded alone give the codes (and draws) of the array padded by hand.
+  x = _gaussian((1000,), seed=20)
+  padded = np.pad(x, (0, 1024 - 1000), mode=mode)
+  encode = jax.jit(compressor.encode)
+  payload, reference = encode(KEYS[8], x), encode(KEYS[8], padded)
+  np.testing.assert_array_equal(payload.packed, reference.packed[: payload.packed.size])
+  if not isinstance(compressor, qsgd_jax.OneBit):  # Padded zeros change its means.
+    np.testing.assert_array_equal(payload.scales, reference.scales[: payload.scales.shape[0]])
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [qsgd_jax.QSGD(bits=4, bucket_size=512), qsgd_jax.QSGD(bits=8, bucket_size=512, norm="l2"),
+     qsgd_jax.MinMax(bits=8, bucket_size=512), qsgd_jax.OneBit(bucket_size=512)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_encode_writes_no_copy_of_its_input(compressor, dtype):
+  # A size that is not a multiple of the bucket, and an input computed in
+  # the same program: XLA's temporaries stay a small fraction of the input.
+  size = 100_000 - 37
+  x = jax.ShapeDtypeStruct((size,), dtype)
+  for encode in (compressor.encode, lambda key, x: compressor.encode(key, jnp.sin(x))):
+    compiled = jax.jit(encode).lower(KEYS[0], x).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * size * np.dtype(dtype).itemsize
+
+
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_payload_holds_the_stated_bits(name):
   compressor = COMPRESSORS[name]

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+_MAGNITUDE_BITS = 0x7FFFFFFF  # All bits of a float32 but its sign.
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -229,19 +231,161 @@ def to_buckets(flat: jax.Array, bucket_len: int, mode: str = "constant") -> jax.
   return flat.reshape(num_buckets, bucket_len)
 
 
+def bucket_parts(
+    flat: jax.Array, bucket_len: int, mode: str = "constant", num_bits: int | None = None
+) -> list[tuple[jax.Array, int, int]]:
+  """The buckets of a vector in parts that XLA reads without copying the vector.
+
+  :func:`to_buckets` pads the whole vector, and XLA on CPU writes that padded
+  copy out in full wherever two computations read it (the scales and the
+  codes do), a whole extra pass. Here the whole buckets are a view of
+  ``flat`` and only a short last bucket is padded, on its own.
+
+  Args:
+    flat: vector of ``n`` elements.
+    bucket_len: static bucket length, at least 1.
+    mode: ``jnp.pad`` mode for the short bucket, as in :func:`to_buckets`.
+    num_bits: bits a code, if the parts' codes are to be packed one after
+      the other: unless the whole buckets fill whole ``uint32`` words, the
+      vector is one padded part, as from :func:`to_buckets`.
+
+  Returns:
+    ``(buckets, start, size)`` for each part, in order: ``buckets`` is
+    ``[num_buckets, bucket_len]``, its first element is element ``start`` of
+    ``flat``, and it holds ``size`` elements of ``flat`` (the rest padding).
+    Together the parts' buckets are :func:`to_buckets` of ``flat``.
+  """
+  n = flat.shape[0]
+  whole, short = divmod(n, bucket_len)
+  if not (whole and short) or (num_bits is not None and bucket_len * num_bits % 32):
+    return [(to_buckets(flat, bucket_len, mode), 0, n)]
+  start = whole * bucket_len
+  last = jnp.pad(flat[start:], (0, bucket_len - short), mode=mode)[None]
+  return [(flat[:start].reshape(whole, bucket_len), 0, start), (last, start, short)]
+
+
+def bucket_parts_with_scales(
+    flat: jax.Array, bucket_len: int, scales: jax.Array, mode: str = "constant",
+    num_bits: int | None = None,
+):
+  """Each part of :func:`bucket_parts`, with the rows of ``scales`` for its buckets.
+
+  Yields:
+    ``(buckets, start, size, part_scales)``.
+  """
+  for buckets, start, size in bucket_parts(flat, bucket_len, mode, num_bits):
+    first = start // bucket_len
+    yield buckets, start, size, scales[first : first + buckets.shape[0]]
+
+
+def _float_bits(buckets: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(buckets.astype(jnp.float32), dtype)
+
+
+def _as_float(bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def bucket_max_abs(buckets: jax.Array) -> jax.Array:
+  """Each bucket's largest magnitude, ``float32[num_buckets]``; NaN propagates.
+
+  Integer maxima of the float32 bits, in one two-operand reduction (one pass
+  over ``buckets``, and cheaper than a float maximum, which must test every
+  element for NaN). A float's magnitude orders like its bits with the sign
+  cleared, NaN above infinity. Read as signed integers, the values with the
+  sign clear are the largest, and among them the largest magnitude has the
+  largest bits; read as unsigned integers, the values with the sign set are
+  the largest, and among them likewise. So the larger magnitude of the signed
+  and the unsigned maximum is the largest of all.
+  """
+  (magnitude,) = _max_abs_and_sums(buckets, ())
+  return magnitude
+
+
+def bucket_max_abs_and_sum_of_squares(
+    buckets: jax.Array, scale: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`bucket_max_abs`, and each bucket's sum of ``(x * scale)**2``, in one pass.
+
+  Args:
+    buckets: ``float32[num_buckets, bucket_len]``.
+    scale: ``float32[num_buckets]``, a factor for each bucket's squares.
+
+  Returns:
+    ``(max_abs, sum_of_squares)``, ``float32[num_buckets]`` each.
+  """
+  scaled = buckets * scale[:, None]
+  magnitude, sum_of_squares = _max_abs_and_sums(buckets, (scaled * scaled,))
+  return magnitude, sum_of_squares
+
+
+def _max_abs_and_sums(buckets: jax.Array, summands: tuple[jax.Array, ...]) -> tuple:
+  """Largest magnitudes, then the row sums of ``summands``, in one reduction.
+
+  A float sum goes into the integer reduction rather than a reduction of its
+  own: XLA on CPU hands a one-operand float sum of a computed array to a
+  library, after writing the whole array out.
+  """
+  signed, unsigned, *sums = jax.lax.reduce(
+      (_float_bits(buckets, jnp.int32), _float_bits(buckets, jnp.uint32), *summands),
+      (np.int32(np.iinfo(np.int32).min), np.uint32(0), *(np.float32(0) for _ in summands)),
+      lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1]),
+                    *(p + q for p, q in zip(a[2:], b[2:], strict=True))),
+      (1,),
+  )
+  magnitude = jnp.maximum(
+      jax.lax.bitcast_convert_type(signed, jnp.uint32) & np.uint32(_MAGNITUDE_BITS),
+      unsigned & np.uint32(_MAGNITUDE_BITS),
+  )
+  return _as_float(magnitude), *sums
+
+
 def bucket_max_min(buckets: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Each bucket's maximum and minimum, ``float32[num_buckets]`` each; NaN propagates.
 
-  Both come from one two-operand reduction: one pass over ``buckets``. It also
-  keeps NaN, which ``jnp.max`` and ``jnp.min`` of a long row can drop on CPU
-  in JAX 0.10 (XLA hands such plain reductions to a library that ignores it).
+  Both come from one two-operand integer reduction over an order-preserving
+  image of the float32 bits (one pass over ``buckets``): flipping the
+  magnitude bits of negative floats makes their signed-integer order the
+  float order, with positive NaNs above ``inf`` and negative NaNs below
+  ``-inf``. A bucket holding a NaN gets NaN for both. This also keeps NaN,
+  which ``jnp.max`` and ``jnp.min`` of a long row can drop on CPU in JAX 0.10
+  (XLA hands such plain reductions to a library that ignores it).
   """
-  return jax.lax.reduce(
-      (buckets, buckets),
-      (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)),
+  bits = _float_bits(buckets, jnp.int32)
+  ordered = bits ^ ((bits >> 31) & _MAGNITUDE_BITS)
+  high, low = jax.lax.reduce(
+      (ordered, ordered),
+      (np.int32(np.iinfo(np.int32).min), np.int32(np.iinfo(np.int32).max)),
       lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
       (1,),
   )
+  high, low = (_as_float(k ^ ((k >> 31) & _MAGNITUDE_BITS)) for k in (high, low))
+  has_nan = jnp.isnan(high) | jnp.isnan(low)
+  return jnp.where(has_nan, jnp.nan, high), jnp.where(has_nan, jnp.nan, low)
+
+
+def power_of_two_normalizer(magnitude: jax.Array) -> jax.Array:
+  """A power of two ``f`` for each ``magnitude`` with ``magnitude * f`` in ``[2**-23, 4)``.
+
+  Multiplying by a power of two is exact (while the product stays a normal
+  float), so values scaled by ``f`` keep every bit, and arithmetic on them
+  can neither overflow (a bucket's values near the float32 maximum) nor lose
+  precision to subnormals (a bucket of tiny values). ``f`` is ``2**(127 - e)``
+  for the biased exponent ``e`` of ``magnitude``, kept within ``[2**-126,
+  2**126]``: ``magnitude * f`` is in ``[1, 2)`` for a normal magnitude below
+  ``2**127``. Zero, infinite and NaN magnitudes get a finite ``f`` too, so
+  they stay zero, infinite and NaN. (XLA on CPU flushes subnormal floats to
+  zero in arithmetic, so there a subnormal magnitude times ``f`` is zero: a
+  bucket of subnormals counts as a bucket of zeros.)
+
+  Args:
+    magnitude: ``float32`` non-negative values (or NaN).
+
+  Returns:
+    ``float32`` powers of two, the shape of ``magnitude``.
+  """
+  exponent = (_float_bits(magnitude, jnp.int32) >> 23) & 0xFF
+  return _as_float(jnp.clip(254 - exponent, 1, 253) << 23)
 
 
 def from_buckets(buckets: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -8,6 +8,10 @@ import jax.numpy as jnp
 
 from qsgd_jax._src import base, packing, rounding
 
+# The step rounds to at most 2 ulps of the range above ``(M - m) / (2**b - 1)``, and
+# each step down removes at least half an ulp: 4 corrections always suffice.
+_STEP_CORRECTIONS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class MinMax(base.SharedScaleCompressor):
@@ -79,48 +83,86 @@ class MinMax(base.SharedScaleCompressor):
     return 0, self.num_steps
 
   def local_scales(self, x: jax.Array) -> jax.Array:
-    buckets = self._buckets(base.as_float32(x, "MinMax.local_scales"))
-    high, low = base.bucket_max_min(buckets)
-    return jnp.stack([low, high], axis=1)
+    x = base.as_float32(x, "MinMax.local_scales").reshape(-1)
+    scales = []
+    for buckets, _, _ in base.bucket_parts(x, self._bucket_len(x.size), mode="edge"):
+      high, low = base.bucket_max_min(buckets)
+      scales.append(jnp.stack([low, high], axis=1))
+    return jnp.concatenate(scales)
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Codes in ``[0, 2**bits - 1]`` against per-bucket ``(min, max)`` ``scales``."""
     x = base.as_float32(x, "MinMax.integer_codes")
-    return self._bucket_codes(key, self._buckets(x), scales).reshape(-1)[: x.size]
+    return jnp.concatenate([
+        self._bucket_codes(key, buckets, part_scales, start).reshape(-1)[:size]
+        for buckets, start, size, part_scales in self._parts_and_scales(x, scales)
+    ])
 
-  def _bucket_codes(self, key: jax.Array, buckets: jax.Array, scales: jax.Array) -> jax.Array:
-    """``int32[num_buckets, bucket_len]`` codes of ``buckets``."""
-    low, high = scales[:, 0], scales[:, 1]
-    step = (high - low) / self.num_steps
+  def _parts_and_scales(self, x: jax.Array, scales: jax.Array, num_bits: int | None = None):
+    """``x``'s buckets as :func:`base.bucket_parts` (no padded copy of ``x``), with scales."""
+    return base.bucket_parts_with_scales(
+        x.reshape(-1), self._bucket_len(x.size), scales, mode="edge", num_bits=num_bits
+    )
+
+  def _bucket_codes(
+      self, key: jax.Array, buckets: jax.Array, scales: jax.Array, start: int
+  ) -> jax.Array:
+    """``int32[num_buckets, bucket_len]`` codes of ``buckets``, element ``start`` on.
+
+    ``(x - m) / u`` is computed as ``(x f - m f) / (u f)`` with ``f`` a power
+    of two that brings the bucket's largest magnitude to ``[1, 4)``: the same
+    float for ordinary buckets, while the range of a bucket near the float32
+    maximum (``M - m`` overflows when the signs differ) and the reciprocal of
+    a tiny step stay finite.
+    """
+    normalizer, low, step = self._normalized(scales)
     inverse_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
     # NaN (from non-finite input) lands on the top code; the bucket's
     # non-finite range marks it on decode.
-    y = (buckets - low[:, None]) * inverse_step[:, None]
-    return rounding.round_stochastic_to_level(key, y, self.num_steps)
+    y = (buckets * normalizer[:, None] - low[:, None]) * inverse_step[:, None]
+    return rounding.round_stochastic_to_level(key, y, self.num_steps, start)
+
+  def _normalized(self, scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each bucket's power of two ``f``, ``m f`` and ``u f``."""
+    low, high = scales[:, 0], scales[:, 1]
+    normalizer = base.power_of_two_normalizer(jnp.maximum(jnp.abs(low), jnp.abs(high)))
+    low, high = low * normalizer, high * normalizer
+    return normalizer, low, (high - low) / self.num_steps
 
   def decode_code_sum(self, total, scales, count, shape):
-    """``count * min + total * step``: the sum of ``count`` devices' values."""
+    """``count * min + total * step``: the sum of ``count`` devices' values.
+
+    Computed on the normalized scale (see ``_bucket_codes``) and scaled back.
+    The step is the largest float at most ``u`` for which the top code decodes
+    to at most the maximum (rounding up could take it past, and past the
+    float32 maximum to ``inf``): every decoded value lies in ``[m, M]``.
+    """
     total = base.to_buckets(total, self._bucket_len(math.prod(shape))).astype(jnp.float32)
-    low, high = scales[:, :1], scales[:, 1:]
-    values = count * low + total * ((high - low) / self.num_steps)
-    return base.from_buckets(values, shape)
+    normalizer, low, step = self._normalized(scales)
+    high = scales[:, 1] * normalizer
+
+    def correct(_, step):
+      return jnp.where(low + self.num_steps * step > high, jnp.nextafter(step, 0.0), step)
+
+    # A loop, which XLA computes on its own, rather than fusing its body into
+    # the decoding and running it once an element.
+    step = jax.lax.fori_loop(0, _STEP_CORRECTIONS, correct, step)
+    values = count * low[:, None] + total * step[:, None]
+    return base.from_buckets(values * (1.0 / normalizer)[:, None], shape)
 
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
     dtype = jnp.asarray(x).dtype
     x = base.as_float32(x, "MinMax.encode")
     scales = self.local_scales(x)
-    codes = self._bucket_codes(key, self._buckets(x), scales).astype(jnp.uint32)
-    return base.Payload(
-        packed=packing.pack_prefix(codes, x.size, self.bits),
-        scales=scales,
-        shape=x.shape,
-        dtype=dtype,
-    )
+    words = [
+        packing.pack_prefix(
+            self._bucket_codes(key, buckets, part_scales, start).astype(jnp.uint32), size, self.bits
+        )
+        for buckets, start, size, part_scales in self._parts_and_scales(x, scales, self.bits)
+    ]
+    return base.Payload(packed=jnp.concatenate(words), scales=scales, shape=x.shape, dtype=dtype)
 
   def decode(self, payload: base.Payload) -> jax.Array:
     size = math.prod(payload.shape)
     codes = packing.unpack(payload.packed, size, self.bits)
     return self.decode_code_sum(codes, payload.scales, 1, payload.shape).astype(payload.dtype)
-
-  def _buckets(self, x: jax.Array) -> jax.Array:
-    return base.to_buckets(x.reshape(-1), self._bucket_len(x.size), mode="edge")

@@ -5,8 +5,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qsgd_jax._src import base, packing
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +75,17 @@ class OneBit(base.Compressor):
     x = base.as_float32(x, "OneBit.encode")
     flat = x.reshape(-1)
     bucket_len = self._bucket_len(x.shape)
-    buckets = base.to_buckets(flat, bucket_len)
-    valid = base.to_buckets(jnp.ones(flat.shape, bool), bucket_len)
-    negative = buckets < 0
-    scales = jnp.stack(
-        [_masked_mean(buckets, valid & ~negative), _masked_mean(buckets, valid & negative)],
-        axis=1,
-    )
+    words, scales = [], []
+    for buckets, _, size in base.bucket_parts(flat, bucket_len, num_bits=1):
+      # Elements a bucket (the last one may be short), static.
+      sizes = np.full(buckets.shape[0], bucket_len, np.int32)
+      if size:
+        sizes[-1] = size - (buckets.shape[0] - 1) * bucket_len
+      words.append(packing.pack_prefix((buckets < 0).astype(jnp.uint32), size, 1))
+      scales.append(_side_means(buckets, sizes))
     return base.Payload(
-        packed=packing.pack_prefix(negative.astype(jnp.uint32), flat.size, 1),
-        scales=scales,
+        packed=jnp.concatenate(words),
+        scales=jnp.concatenate(scales),
         shape=x.shape,
         dtype=dtype,
     )
@@ -94,17 +98,45 @@ class OneBit(base.Compressor):
     return base.from_buckets(values, payload.shape).astype(payload.dtype)
 
 
-def _masked_mean(buckets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-bucket mean of the entries under ``mask``; zero where none are.
+def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:
+  """Each bucket's means of its non-negative and of its negative entries, ``[num_buckets, 2]``.
 
-  The masked sum and the count are one two-operand reduction, which XLA on CPU
-  computes in one pass over ``buckets``; a plain float sum of the masked array
-  would first write that whole array out.
+  Each side's sum and count is one two-operand reduction, a float and an
+  integer sum, which XLA on CPU vectorizes in one pass over the elements
+  (it runs a reduction of two float sums as a scalar loop, and hands a plain
+  float sum of a computed array to a library after writing that array out).
+  The padding (zeros, past ``sizes``) adds nothing to the sums and is taken
+  out of the counts. A side with no entries has mean zero.
+
+  A float32 sum of entries near the float32 maximum overflows although their
+  mean is finite, so the entries are summed scaled by ``2**-k``, ``2**k`` at
+  least twice the bucket length: no sum can overflow. The scaling is exact
+  (and commutes with the rounding of the sums) for entries of magnitude at
+  least ``2**(k - 126)``; smaller ones (below about ``1e-35`` for buckets of
+  512) count as zeros, as subnormal ones do where XLA flushes them.
+
+  A finite scaled sum is clipped to the largest float whose quotient cannot
+  round past the float32 maximum, so a mean of finite entries is finite.
+  The division comes last: XLA then computes the means on their own rather
+  than fusing the clipping into every decoded element.
   """
-  total, count = jax.lax.reduce(
-      (jnp.where(mask, buckets, 0.0), mask.astype(jnp.int32)),
-      (jnp.float32(0), jnp.int32(0)),
-      lambda a, b: (a[0] + b[0], a[1] + b[1]),
-      (1,),
-  )
-  return total / jnp.maximum(count, 1).astype(jnp.float32)
+  exponent = int(buckets.shape[1]).bit_length() + 1
+  scaled = buckets * np.float32(2.0**-exponent)
+  negative = buckets < 0
+
+  def masked_sum(mask):
+    return jax.lax.reduce(
+        (jnp.where(mask, scaled, 0.0), mask.astype(jnp.int32)),
+        (np.float32(0), np.int32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (1,),
+    )
+
+  sides = (masked_sum(~negative), masked_sum(negative))
+  sums, counts = (jnp.stack(side, axis=1) for side in zip(*sides, strict=True))
+  padding = np.stack([buckets.shape[1] - sizes, np.zeros_like(sizes)], axis=1)
+  # Exact: counts are integers below 2**24, scaled by a power of two.
+  divisors = jnp.maximum(counts - padding, 1).astype(jnp.float32) * np.float32(2.0**-exponent)
+  bound = jnp.nextafter(_FLOAT32_MAX * divisors, 0.0)  # At most _FLOAT32_MAX * divisors.
+  sums = jnp.where(jnp.isfinite(sums), jnp.clip(sums, -bound, bound), sums)
+  return sums / divisors

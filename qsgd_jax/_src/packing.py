@@ -76,11 +76,28 @@ def pack_prefix(codes: jax.Array, num_codes: int, num_bits: int) -> jax.Array:
   For the codes of a padded array (buckets): rather than slicing the codes and
   padding them back to whole words, which XLA would fuse into the packing
   loop and run element by element, it zeroes the codes past ``num_codes``,
-  packs them all, and cuts the words.
+  packs them all, and cuts the words. Codes with nothing to cut whose rows
+  fill whole words are packed row by row, in their own shape: XLA then
+  computes the codes in the loop order of the packing without dividing flat
+  indices back into rows.
   """
+  _check_num_bits(num_bits)
+  shape = codes.shape
+  if codes.size == num_codes and shape and _WORD_BITS % num_bits == 0:
+    per_word = _WORD_BITS // num_bits
+    if shape[-1] % per_word == 0:
+      rows = codes.astype(jnp.uint32).reshape(*shape[:-1], shape[-1] // per_word, per_word)
+      return _shift_and_sum(rows, num_bits).reshape(-1)
   codes = codes.reshape(-1)
-  codes = jnp.where(jnp.arange(codes.size) < num_codes, codes, 0)
+  if codes.size != num_codes:
+    codes = jnp.where(jnp.arange(codes.size) < num_codes, codes, 0)
   return pack(codes, num_bits)[: num_words(num_codes, num_bits)]
+
+
+def _shift_and_sum(codes: jax.Array, num_bits: int) -> jax.Array:
+  """Each code shifted to its offset in the word, summed over the last axis."""
+  offsets = np.arange(0, _WORD_BITS, num_bits, dtype=np.uint32)
+  return jnp.sum(codes << offsets, axis=-1, dtype=jnp.uint32)
 
 
 def _pack_whole_codes(codes: jax.Array, num_bits: int) -> jax.Array:
@@ -89,8 +106,7 @@ def _pack_whole_codes(codes: jax.Array, num_bits: int) -> jax.Array:
   words = num_words(n, num_bits)
   per_word = _WORD_BITS // num_bits
   codes = jnp.pad(codes, (0, words * per_word - n)).reshape(words, per_word)
-  offsets = np.arange(0, _WORD_BITS, num_bits, dtype=np.uint32)
-  return jnp.sum(codes << offsets, axis=1, dtype=jnp.uint32)
+  return _shift_and_sum(codes, num_bits)
 
 
 def _pack_groups(codes: jax.Array, num_bits: int) -> jax.Array:

@@ -10,6 +10,9 @@ import jax.numpy as jnp
 from qsgd_jax._src import base, elias, packing, rounding
 
 _MAX_BITS = 16
+# ``scale * (1 / s)`` exceeds ``scale / s`` by less than 2 ulps of the scale, and
+# each step down removes at least half an ulp: 4 corrections always suffice.
+_STEP_CORRECTIONS = 4
 
 
 class EliasSize(NamedTuple):
@@ -49,11 +52,18 @@ class QSGD(base.SharedScaleCompressor):
   :math:`E\|Q_s(v)\|_0 \le s(s + \sqrt{n})`. The max norm gives smaller
   variance (each coordinate's error is at most :math:`\|v\|_\infty / s`).
 
+  Every finite input, up to the float32 maximum, decodes finite: scales,
+  steps and their reciprocals are computed on a scale normalized by a power
+  of two, and no decoded magnitude exceeds its bucket's scale. An L2 norm
+  above the largest value of the input's dtype is sent as that value, still
+  at least every :math:`|v_i|`, which is all unbiasedness needs of a scale.
+
   On the wire: each coordinate is a ``bits``-bit sign+magnitude code
-  (sign in the top bit, :math:`\ell_i` below), bit-packed into ``uint32``
-  words, and each bucket sends its scale as one float32:
-  ``ceil(n * bits / 32) * 32 + 32 * num_buckets`` bits. The paper's
-  variable-length Elias coding of the same levels is in
+  (the sign of :math:`v_i` in the top bit, :math:`\ell_i` below; a negative
+  :math:`v_i` with :math:`\ell_i = 0` keeps its sign bit and decodes to
+  zero), bit-packed into ``uint32`` words, and each bucket sends its scale
+  as one float32: ``ceil(n * bits / 32) * 32 + 32 * num_buckets`` bits. The
+  paper's variable-length Elias coding of the same levels is in
   :mod:`qsgd_jax.elias`; the wire stays fixed width because collectives need
   static shapes.
 
@@ -119,27 +129,54 @@ class QSGD(base.SharedScaleCompressor):
     return -self.levels, self.levels
 
   def local_scales(self, x: jax.Array) -> jax.Array:
-    buckets = self._buckets(base.as_float32(x, "QSGD.local_scales"))
+    x = jnp.asarray(x)
+    parts = self._parts(base.as_float32(x, "QSGD.local_scales"))
     if self.norm == "max":
-      # max |v_i| as max(max v_i, -min v_i): one pass over the input itself.
-      high, low = base.bucket_max_min(buckets)
-      return jnp.maximum(high, -low)[:, None]
-    return jnp.sqrt(jnp.sum(buckets * buckets, axis=1, keepdims=True))
+      scales = [base.bucket_max_abs(buckets) for buckets, _, _ in parts]
+    else:
+      largest = float(jnp.finfo(x.dtype).max)
+      scales = [_l2_norms(buckets, largest) for buckets, _, _ in parts]
+    return jnp.concatenate(scales)[:, None]
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
     x = base.as_float32(x, "QSGD.integer_codes")
-    return self._bucket_levels(key, self._buckets(x), scales).reshape(-1)[: x.size]
+    codes = []
+    for buckets, start, size, part_scales in self._parts_and_scales(x, scales):
+      level = self._bucket_levels(key, buckets, part_scales, start)
+      codes.append(jnp.where(buckets < 0, -level, level).reshape(-1)[:size])
+    return jnp.concatenate(codes)
 
-  def _bucket_levels(self, key: jax.Array, buckets: jax.Array, scales: jax.Array) -> jax.Array:
-    """``int32[num_buckets, bucket_len]`` signed levels of ``buckets``."""
+  def _parts(self, x: jax.Array) -> list:
+    """``x``'s buckets as :func:`base.bucket_parts`: no padded copy of ``x``."""
+    return base.bucket_parts(x.reshape(-1), self._bucket_len(x.size))
+
+  def _parts_and_scales(self, x: jax.Array, scales: jax.Array, num_bits: int | None = None):
+    return base.bucket_parts_with_scales(
+        x.reshape(-1), self._bucket_len(x.size), scales, num_bits=num_bits
+    )
+
+  def _bucket_levels(
+      self, key: jax.Array, buckets: jax.Array, scales: jax.Array, start: int
+  ) -> jax.Array:
+    """``int32[num_buckets, bucket_len]`` levels ``l_i`` of ``|buckets|``.
+
+    ``start`` is the index of the buckets' first element in the whole array
+    (for the random draws).
+
+    ``s |v_i| / ||v||`` is computed as ``(|v_i| f) (s / (||v|| f))`` with
+    ``f`` a power of two that brings the scale to ``[1, 4)``: the same float
+    for ordinary scales, and neither the reciprocal of a tiny scale nor the
+    product overflows.
+    """
     scale = scales[:, 0]
-    safe_scale = jnp.where(scale > 0, scale, 1.0)
-    # Non-finite input gives NaN, which lands on s; the bucket's non-finite
-    # scale marks it on decode.
-    y = jnp.abs(buckets) * (self.levels / safe_scale)[:, None]
-    level = rounding.round_stochastic_to_level(key, y, self.levels)
-    return jnp.where(buckets < 0, -level, level)
+    normalizer = base.power_of_two_normalizer(scale)
+    normalized = scale * normalizer
+    # Zero buckets get all levels 0. Non-finite input gives NaN, which lands
+    # on s; the bucket's non-finite scale marks it on decode.
+    inverse_step = jnp.where(normalized > 0, self.levels / normalized, 0.0)
+    y = jnp.abs(buckets * normalizer[:, None]) * inverse_step[:, None]
+    return rounding.round_stochastic_to_level(key, y, self.levels, start)
 
   def decode_code_sum(self, total, scales, count, shape):
     del count  # Levels add linearly: the sum decodes like one device's codes.
@@ -147,25 +184,47 @@ class QSGD(base.SharedScaleCompressor):
 
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
     dtype = jnp.asarray(x).dtype
-    x = base.as_float32(x, "QSGD.encode")
     scales = self.local_scales(x)
-    level = self._bucket_levels(key, self._buckets(x), scales)
-    sign = (level < 0).astype(jnp.uint32) << (self.bits - 1)
-    codes = sign | jnp.abs(level).astype(jnp.uint32)
+    x = base.as_float32(x, "QSGD.encode")
+    words = []
+    for buckets, start, size, part_scales in self._parts_and_scales(x, scales, self.bits):
+      level = self._bucket_levels(key, buckets, part_scales, start)
+      # The sign bit is x's own (a negative value whose level is 0 keeps it:
+      # it decodes to 0 all the same).
+      sign = (jax.lax.bitcast_convert_type(buckets, jnp.uint32) >> 31) << (self.bits - 1)
+      words.append(packing.pack_prefix(sign | level.astype(jnp.uint32), size, self.bits))
     return base.Payload(
-        packed=packing.pack_prefix(codes, x.size, self.bits),
-        scales=scales,
-        shape=x.shape,
-        dtype=dtype,
+        packed=jnp.concatenate(words), scales=scales, shape=x.shape, dtype=dtype
     )
 
-  def _buckets(self, x: jax.Array) -> jax.Array:
-    return base.to_buckets(x.reshape(-1), self._bucket_len(x.size))
-
   def _dequantize(self, levels: jax.Array, scales: jax.Array, shape) -> jax.Array:
+    """``levels * step``, computed on the normalized scale and scaled back.
+
+    On the scale normalized as in ``_bucket_levels`` the step is a normal
+    float even when ``||v|| / s`` is not (a subnormal step is flushed to zero
+    by XLA on CPU, and loses bits elsewhere).
+    """
     levels = base.to_buckets(levels, self._bucket_len(math.prod(shape)))
-    values = levels.astype(jnp.float32) * (scales * (1.0 / self.levels))
+    scale = scales[:, 0]
+    normalizer = base.power_of_two_normalizer(scale)
+    step = self._steps(scale * normalizer)
+    values = levels.astype(jnp.float32) * step[:, None] * (1.0 / normalizer)[:, None]
     return base.from_buckets(values, shape)
+
+  def _steps(self, scale: jax.Array) -> jax.Array:
+    """Each bucket's step ``scale / s``, the largest float at most that with ``s * step <= scale``.
+
+    ``scale * (1 / s)`` can round so that the top level decodes a few ulps
+    above the scale (to ``inf`` at the float32 maximum); stepping it down to
+    the next float below, at most a few times, makes every decoded magnitude
+    ``|l * step| <= scale``, since rounding is monotone.
+    """
+    def correct(_, step):
+      return jnp.where(step * self.levels > scale, jnp.nextafter(step, 0.0), step)
+
+    # A loop, which XLA computes on its own, rather than fusing its body into
+    # the decoding and running it once an element.
+    return jax.lax.fori_loop(0, _STEP_CORRECTIONS, correct, scale * (1.0 / self.levels))
 
   def signed_levels(self, payload: base.Payload) -> jax.Array:
     """The integer levels ``sgn(v_i) * l_i`` of a payload, ``int32[size]``."""
@@ -196,3 +255,30 @@ class QSGD(base.SharedScaleCompressor):
   def decode(self, payload: base.Payload) -> jax.Array:
     values = self._dequantize(self.signed_levels(payload), payload.scales, payload.shape)
     return values.astype(payload.dtype)
+
+
+def _l2_norms(buckets: jax.Array, largest: float) -> jax.Array:
+  """Each bucket's L2 norm, ``float32[num_buckets]``, without overflow or underflow.
+
+  A plain float32 sum of squares overflows for values above about ``1e19``
+  and loses the squares below the smallest normal float (values below about
+  ``1e-19``). Here a first pass finds each bucket's largest magnitude, and a
+  second sums the squares of the values scaled by a power of two that brings
+  it to ``[1, 4)``, where neither can happen. Scaling by a power of two is
+  exact and commutes with the square root, so for ordinary buckets the norm
+  is the float the plain sum gives. (The second pass finds the magnitudes
+  again: an integer-and-float reduction, which XLA on CPU vectorizes, where a
+  lone float sum of a computed array would be handed to a library after
+  writing that array out. Two passes always, rather than a second pass under
+  a ``cond`` when needed: a ``cond`` would make XLA write out a copy of its
+  operand, the input, whenever that is not already an array in memory.)
+
+  A norm above ``largest``, the maximum of the input's dtype, becomes
+  ``largest``: still at least every magnitude in the bucket, which is all
+  that unbiasedness needs of a scale, and every decoded value, at most the
+  scale, then fits the dtype.
+  """
+  normalizer = base.power_of_two_normalizer(base.bucket_max_abs(buckets))
+  magnitude, sum_of_squares = base.bucket_max_abs_and_sum_of_squares(buckets, normalizer)
+  norms = jnp.sqrt(sum_of_squares) / normalizer
+  return jnp.where(jnp.isfinite(magnitude), jnp.minimum(norms, largest), norms)

@@ -96,11 +96,24 @@ class NearestZeroAlignedMinMax(base.Compressor):
   def _bucket_len(self, size: int) -> int:
     return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
-  def _grid(self, low: jax.Array, high: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each bucket's scale :math:`s`, top level :math:`u` and bottom level :math:`l`."""
-    scale = jnp.float32(self.num_steps) / (high - low + _RANGE_EPSILON)
-    top = jnp.rint(high * scale)
-    return scale, top, top - jnp.float32(self.num_steps)
+  def _grid(self, low: jax.Array, high: jax.Array):
+    """Each bucket's scale :math:`s`, top level :math:`u`, bottom level :math:`l`, and shrink.
+
+    The values are quantized times ``shrink``: 1 for every bucket whose range
+    and scale are normal floats, where the arithmetic is Bagua's; for a range
+    past the float32 maximum (values of both signs near it), or so wide that
+    ``s`` would underflow, the power of two that brings the bucket's magnitude
+    to ``[1, 2)`` (exact: values keep every bit).
+    """
+    steps = jnp.float32(self.num_steps)
+    width = high - low
+    extreme = jnp.isinf(width) | (steps / (width + _RANGE_EPSILON) < jnp.finfo(jnp.float32).tiny)
+    extreme &= jnp.isfinite(high) & jnp.isfinite(low)
+    magnitude = jnp.maximum(jnp.abs(high), jnp.abs(low))
+    shrink = jnp.where(extreme, base.power_of_two_normalizer(magnitude), jnp.float32(1.0))
+    scale = steps / (high * shrink - low * shrink + _RANGE_EPSILON)
+    top = jnp.rint(high * shrink * scale)
+    return scale, top, top - steps, shrink
 
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
     del key  # Deterministic.
@@ -109,8 +122,9 @@ class NearestZeroAlignedMinMax(base.Compressor):
     # Edge padding repeats the last value, so it changes no bucket's minimum or maximum.
     buckets = base.to_buckets(x.reshape(-1), self._bucket_len(x.size), mode="edge")
     high, low = base.bucket_max_min(buckets)
-    scale, top, bottom = self._grid(low, high)
-    level = jnp.minimum(jnp.rint(buckets * scale[:, None]), top[:, None]) - bottom[:, None]
+    scale, top, bottom, shrink = self._grid(low, high)
+    shrunk = buckets * shrink[:, None]
+    level = jnp.minimum(jnp.rint(shrunk * scale[:, None]), top[:, None]) - bottom[:, None]
     level = jnp.where(level >= 0, level, 0.0)  # Also NaN, which compares false.
     codes = jnp.minimum(level, jnp.float32(self.num_steps)).astype(jnp.uint32)
     return base.Payload(
@@ -124,9 +138,16 @@ class NearestZeroAlignedMinMax(base.Compressor):
     size = math.prod(payload.shape)
     codes = packing.unpack(payload.packed, size, self.bits)
     codes = base.to_buckets(codes, self._bucket_len(size)).astype(jnp.float32)
-    scale, _, bottom = self._grid(payload.scales[:, 0], payload.scales[:, 1])
+    low, high = payload.scales[:, 0], payload.scales[:, 1]
+    scale, _, bottom, shrink = self._grid(low, high)
     levels = codes + bottom[:, None]
     # A true division, as Bagua's kernel does: XLA would otherwise multiply by
     # the reciprocal of a broadcast divisor, which can differ in the last bit.
     values = levels / jax.lax.optimization_barrier(jnp.broadcast_to(scale[:, None], levels.shape))
+    values = values / shrink[:, None]
+    # The top level may decode up to half a step past the bucket's maximum: where that
+    # leaves the output dtype's range, clamp to the bucket's range, where the input was.
+    largest = jnp.float32(jnp.finfo(payload.dtype).max)
+    values = jnp.where(jnp.abs(values) <= largest, values,
+                       jnp.clip(values, low[:, None], high[:, None]))
     return base.from_buckets(values, payload.shape).astype(payload.dtype)
