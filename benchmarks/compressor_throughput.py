@@ -50,7 +50,7 @@ from qsgd_jax._src import rounding
 COMPRESSORS = {
     "qsgd_4bit_bucket512_max": qsgd_jax.QSGD(bits=4, bucket_size=512, norm="max"),
     "qsgd_8bit_bucket512_max": qsgd_jax.QSGD(bits=8, bucket_size=512, norm="max"),
-    "minmax_8bit": qsgd_jax.MinMax(bits=8, bucket_size=None),
+    "minmax_8bit": qsgd_jax.MinMax(bits=8),  # Buckets of 512, the default.
     "onebit_bucket512": qsgd_jax.OneBit(bucket_size=512),
     "cast_bfloat16": qsgd_jax.Cast(jnp.bfloat16),
     "identity": qsgd_jax.Identity(),
