@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import exchange, reduction
+from qsgd_jax._src import exchange, layout, reduction
 from qsgd_jax._src import plan as plan_lib
 
 KEY = jax.random.key(0)
@@ -215,10 +215,10 @@ def _leaves(*shapes, seed=0):
 
 def _roundtrip_by_blocks(reduction_plan, leaves):
   """Each leaf after one batched encode and decode of the plan's blocks."""
-  blocks = reduction_plan.join(reduction_plan.segment_vectors(leaves))
+  blocks = layout.join(reduction_plan, layout.segment_vectors(reduction_plan, leaves))
   payloads = exchange.encode_blocks(reduction_plan.compressor, KEY, blocks, batch_dims=2)
   decoded = exchange.decode_blocks(reduction_plan.compressor, payloads, batch_dims=2)
-  return reduction_plan.segment_leaves(reduction_plan.split(decoded))
+  return layout.segment_leaves(reduction_plan, layout.split(reduction_plan, decoded))
 
 
 @pytest.mark.parametrize("compressor", [qsgd_jax.OneBit(bucket_size=4),
@@ -250,14 +250,14 @@ def test_split_inverts_join_and_leaves_invert_segments(compressor, method):
   leaves = _leaves((3, 5), (3, 8), (3, 5), (40,))
   reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method=method,
                                       min_compressed_size=0, axis_sizes={"batch": 8})
-  vectors = reduction_plan.segment_vectors(leaves)
+  vectors = layout.segment_vectors(reduction_plan, leaves)
   assert [v.size for v in vectors] == [s.length for s in reduction_plan.segments]
-  blocks = reduction_plan.join(vectors)
+  blocks = layout.join(reduction_plan, vectors)
   for block, data in zip(reduction_plan.blocks, blocks, strict=True):
     assert data.shape == (len(block.segments), block.rows, *block.element_shape)
-  for vector, back in zip(vectors, reduction_plan.split(blocks), strict=True):
+  for vector, back in zip(vectors, layout.split(reduction_plan, blocks), strict=True):
     np.testing.assert_array_equal(back, vector)
-  back = reduction_plan.segment_leaves(vectors)
+  back = layout.segment_leaves(reduction_plan, vectors)
   for i, leaf in enumerate(leaves):
     np.testing.assert_array_equal(back[i], leaf)
 
@@ -270,5 +270,6 @@ def test_every_element_of_a_block_draws_its_own_rounding():
   (block,) = reduction_plan.blocks
   assert block.segments == (0, 1)  # Stacked: one encode for both.
   (payload,) = exchange.encode_blocks(
-      compressor, KEY, reduction_plan.join(reduction_plan.segment_vectors(same)), batch_dims=2)
+      compressor, KEY, layout.join(reduction_plan, layout.segment_vectors(reduction_plan, same)),
+      batch_dims=2)
   assert not np.array_equal(payload.packed[0], payload.packed[1])
