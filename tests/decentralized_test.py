@@ -229,7 +229,7 @@ def test_no_bucket_straddles_two_leaves(compressor):
   def first_update(grads, params):
     return optimizer.update(grads, optimizer.init(params), params)[0]
 
-  updates = jax.vmap(first_update, axis_name=AXIS)(grads, params)
+  updates = jax.jit(jax.vmap(first_update, axis_name=AXIS))(grads, params)
   for name, grad in grads.items():
     for worker in range(2):  # Replicas start equal to params: the step is Q(-g).
       step = -grad[worker]

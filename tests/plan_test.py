@@ -6,6 +6,8 @@ case here compiles one reduction under ``jit(shard_map)`` on the 8 simulated
 devices and compares the two lists collective by collective.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,6 +215,7 @@ def _leaves(*shapes, seed=0):
   return [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in shapes]
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _roundtrip_by_blocks(reduction_plan, leaves):
   """Each leaf after one batched encode and decode of the plan's blocks."""
   blocks = layout.join(reduction_plan, layout.segment_vectors(reduction_plan, leaves))
@@ -230,13 +233,16 @@ def test_one_batched_encode_quantizes_each_leaf_as_alone(compressor):
   reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method="all_gather",
                                       min_compressed_size=0, axis_sizes={"batch": 8})
   together = _roundtrip_by_blocks(reduction_plan, leaves)
-  for i, leaf in enumerate(leaves):
+
+  @jax.jit
+  def alone(leaf):
     if compressor.bucket_size is None:
-      alone = compressor.decode(compressor.encode(KEY, leaf))
-    else:
-      padded = jnp.pad(leaf.reshape(-1), (0, -leaf.size % compressor.bucket_size))
-      alone = compressor.decode(compressor.encode(KEY, padded))[: leaf.size].reshape(leaf.shape)
-    np.testing.assert_array_equal(together[i], alone)
+      return compressor.decode(compressor.encode(KEY, leaf))
+    padded = jnp.pad(leaf.reshape(-1), (0, -leaf.size % compressor.bucket_size))
+    return compressor.decode(compressor.encode(KEY, padded))[: leaf.size].reshape(leaf.shape)
+
+  for i, leaf in enumerate(leaves):
+    np.testing.assert_array_equal(together[i], alone(leaf))
 
 
 @pytest.mark.parametrize("compressor, method", [
@@ -269,7 +275,7 @@ def test_every_element_of_a_block_draws_its_own_rounding():
                                       min_compressed_size=0, axis_sizes={"batch": 8})
   (block,) = reduction_plan.blocks
   assert block.segments == (0, 1)  # Stacked: one encode for both.
-  (payload,) = exchange.encode_blocks(
-      compressor, KEY, layout.join(reduction_plan, layout.segment_vectors(reduction_plan, same)),
-      batch_dims=2)
+  (payload,) = jax.jit(lambda leaves: exchange.encode_blocks(
+      compressor, KEY, layout.join(reduction_plan, layout.segment_vectors(reduction_plan, leaves)),
+      batch_dims=2))(same)
   assert not np.array_equal(payload.packed[0], payload.packed[1])
