@@ -107,6 +107,24 @@ def test_quadratic_converges_under_shard_map():
   _check_quadratic(*jax.block_until_ready(outputs), targets)
 
 
+def test_gradients_of_replicated_params_under_shard_map_are_an_error():
+  """A gradient autodiff already summed over the ring would be applied n times over."""
+  mesh = jax.make_mesh((NUM_WORKERS,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  optimizer = low_precision_decentralized(optax.sgd(0.1), AXIS)
+  params = {"w": jnp.ones((16, 16))}
+
+  def step(params, x):
+    grads = jax.grad(lambda p: jnp.sum(p["w"] @ x[0]))(params)  # Summed over AXIS.
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS)))
+  x = jax.device_put(jnp.ones((NUM_WORKERS, 16)), NamedSharding(mesh, P(AXIS)))
+  with pytest.raises(ValueError, match=r"leaf \['w'\] is replicated over axis 'workers'.*"
+                     r"as_varying"):
+    step(params, x)
+
+
 # The invariant, step by step: what a worker holds of its peers is their model.
 
 

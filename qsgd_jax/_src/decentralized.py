@@ -232,6 +232,8 @@ def low_precision_decentralized(
       )
     base.check_float_leaves(params, "low_precision_decentralized")
     size, *local_sizes = parsed.sizes(_OWNER)
+    # Each worker applies its own gradient: one summed over the axis by autodiff is n times it.
+    axes.check_varying(updates, parsed, _OWNER)
     local_size = math.prod(local_sizes)
     if size < 2:
       raise ValueError(
