@@ -90,7 +90,8 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
       return qsgd_jax.compressed_allreduce(qsgd_jax.Cast(jnp.bfloat16), AXIS, **options)
     case "qsgd4" | "qsgd8":
       bits = int(config.compression.removeprefix("qsgd"))
-      return qsgd_jax.qsgd(AXIS, bits=bits, bucket_size=config.bucket_size, **options)
+      return qsgd_jax.qsgd(AXIS, bits=bits, bucket_size=config.bucket_size,
+                           track_elias=config.track_elias, **options)
     case "minmax8":
       return qsgd_jax.compressed_allreduce(qsgd_jax.MinMax(bits=8), AXIS, **options)
     case "onebit":

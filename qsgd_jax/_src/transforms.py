@@ -120,9 +120,9 @@ def compressed_allreduce(
       ``"all_gather"``), measure :attr:`CompressionStats.elias_bits` from the
       payloads the step sent: ``True`` every step, an int ``k`` every ``k``
       steps (held in between). Off by default: it is one more pass over the
-      payloads plus a scalar all-reduce, which cost a default step about as
-      much as the reduction itself (``benchmarks/step_cost.py``); every 100
-      steps it costs about 1%.
+      payloads plus a scalar all-reduce, which made a step 5x slower in
+      ``benchmarks/step_cost.py`` (ResNet-50's tree, 2 CPU devices); every
+      100 steps that is about 4% on average.
     exact_own_piece: as in :func:`~qsgd_jax.quantized_psum`: ``False``
       quantizes each device's own piece too, as CNTK's aggregator does.
 
@@ -341,13 +341,15 @@ def onebit_sgd(
   error_feedback="both", exact_own_piece=False)`` reproduces it to float
   rounding (``tests/fidelity_test.py``).
 
-  The defaults are what trained best in ``benchmarks/error_feedback.py``
-  (digits, an MLP on 8 devices, 5 seeds x 300 SGD steps; test accuracy):
-  float32 97.00 +- 0.41; worker residuals 96.67 +- 0.44 with buckets of 512
-  or with rows; both residuals 95.2 +- 2.2 (buckets) and 96.4 +- 1.0 (rows);
-  CNTK's defaults 96.2 +- 1.3; owner residuals alone 83.6 +- 9.7; none
-  94.9 +- 0.4. Buckets of 512 send fewer scales than short rows for the same
-  accuracy.
+  The defaults come from ``benchmarks/error_feedback.py`` (digits, an MLP on
+  8 devices, 5 seeds x 300 SGD steps; test accuracy): float32 97.00 +- 0.41;
+  worker residuals 96.44 +- 0.60 with buckets of 512, 96.78 +- 0.50 with
+  rows; both residuals 95.56 +- 1.87 (buckets) and 96.33 +- 0.99 (rows);
+  CNTK's settings 96.44 +- 0.84; owner residuals alone 76.6 +- 9.8; none
+  94.94 +- 0.36. Worker residuals alone do as well as CNTK's two, with no
+  state on the owners; buckets of 512 and rows are within the seeds' spread,
+  and a fixed bucket size keeps the scales' share of the bytes fixed whatever
+  the leaves' row lengths.
 
   Args:
     axis_name: the mapped axis to average over.

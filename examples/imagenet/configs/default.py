@@ -41,6 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.compression = "qsgd4"
   config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
   config.min_compressed_size = 4096  # Smaller leaves (biases, norms) go in float32.
+  # qsgd4 and qsgd8: every this many steps, the size Elias coding would give the sent payloads
+  # (it encodes them a second time, so it is not free); 0: never.
+  config.track_elias = 0
   config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
   config.seed = 0
   return config

@@ -22,4 +22,5 @@ def get_config() -> ml_collections.ConfigDict:
   # buckets of 128 so that each device's chunk of a kernel is not mostly padding.
   config.min_compressed_size = 2048
   config.bucket_size = 128
+  config.track_elias = 11  # At every logged step.
   return config
