@@ -414,6 +414,14 @@ def test_non_compressor_raises_type_error():
     reduce(jnp.ones((NUM_DEVICES, 8)))
 
 
+def test_the_internal_reduce_scatter_method_is_refused():
+  """``quantized_psum_scatter`` makes the reduce-scatter; by name here it would keep one shard."""
+  reduce = jax.pmap(lambda x: qsgd_jax.quantized_psum(
+      x, AXIS, qsgd_jax.MinMax(), KEY, method="reduce_scatter"), axis_name=AXIS)
+  with pytest.raises(ValueError, match="quantized_psum: method must be one of"):
+    reduce(jnp.ones((NUM_DEVICES, NUM_DEVICES, 4096)))
+
+
 def test_psum_method_with_onebit_raises_value_error():
   reduce = jax.pmap(
       lambda x: qsgd_jax.quantized_pmean(x, AXIS, qsgd_jax.OneBit(), KEY, method="psum"),

@@ -514,6 +514,11 @@ def test_bad_bucket_bytes_is_refused(bucket_bytes):
     low_precision_decentralized(optax.sgd(0.1), AXIS, bucket_bytes=bucket_bytes)
 
 
+def test_no_axis_is_refused():
+  with pytest.raises(ValueError, match="axis_name=None has no ring"):
+    low_precision_decentralized(optax.sgd(0.1), None)
+
+
 def test_empty_axis_tuple_is_refused():
   with pytest.raises(ValueError, match="at least one axis"):
     low_precision_decentralized(optax.sgd(0.1), ())

@@ -225,10 +225,11 @@ def _roundtrip_by_blocks(reduction_plan, leaves):
 
 
 @pytest.mark.parametrize("compressor", [qsgd_jax.OneBit(bucket_size=4),
-                                        qsgd_jax.OneBit(bucket_size=None)],
-                         ids=["buckets", "rows"])
+                                        qsgd_jax.OneBit(bucket_size=None),
+                                        qsgd_jax.NearestZeroAlignedMinMax(bucket_size=4)],
+                         ids=["buckets", "rows", "zero_aligned_buckets"])
 def test_one_batched_encode_quantizes_each_leaf_as_alone(compressor):
-  """Deterministic 1-bit codes agree exactly: buckets (rows) never straddle leaves."""
+  """Deterministic codes agree exactly: buckets (rows) never straddle leaves."""
   leaves = _leaves((7,), (3, 4), (13,), (2, 4), (5, 7), seed=1)
   reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method="all_gather",
                                       min_compressed_size=0, axis_sizes={"batch": 8})

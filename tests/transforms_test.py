@@ -441,6 +441,56 @@ def test_bad_warmup_steps_is_a_value_error(warmup_steps):
     qsgd_jax.qsgd(AXIS, warmup_steps=warmup_steps)
 
 
+@pytest.mark.parametrize("min_compressed_size", [-1, 2.5, None, "4096", True])
+def test_bad_min_compressed_size_is_a_value_error(min_compressed_size):
+  with pytest.raises(ValueError, match="min_compressed_size must be a non-negative int"):
+    qsgd_jax.qsgd(AXIS, min_compressed_size=min_compressed_size)
+
+
+def test_the_internal_reduce_scatter_method_is_refused():
+  with pytest.raises(ValueError, match=r"method must be one of \('two_phase', 'psum', "
+                     r"'all_gather'\), got 'reduce_scatter'"):
+    qsgd_jax.qsgd(AXIS, method="reduce_scatter")
+
+
+@pytest.mark.parametrize("axis_size", [0, -2, 2.0, True, {"other": 8}, {AXIS: 0}])
+def test_bad_axis_size_is_a_value_error(axis_size):
+  with pytest.raises(ValueError, match="axis_size"):
+    qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=axis_size)
+
+
+def test_residuals_of_another_axis_size_are_an_error_naming_axis_size():
+  # 8 devices run it; the owners' residuals hold a piece of 1/n of the segment each.
+  tx = qsgd_jax.onebit_sgd(AXIS, error_feedback="owner", min_compressed_size=0, axis_size=2)
+  grads = {"w": jnp.ones((NUM_DEVICES, 4096))}
+  state = tx.init(jax.tree.map(lambda g: g[0], grads))
+  step = jax.pmap(lambda g, s: tx.update(g, s)[0], axis_name=AXIS, in_axes=(0, None))
+  with pytest.raises(ValueError, match=r"chunk_error has shapes .*axis_size=2"):
+    step(grads, state)
+
+
+def test_owner_residuals_without_an_axis_are_a_value_error():
+  with pytest.raises(ValueError, match="axis_name=None has none"):
+    qsgd_jax.onebit_sgd(None, error_feedback="both")
+
+
+def test_warm_up_averages_integer_leaves_as_the_compressed_steps_do():
+  tx = qsgd_jax.qsgd(AXIS, warmup_steps=1, min_compressed_size=0)
+  grads = {"w": jnp.ones((NUM_DEVICES, 4096)),
+           "step": jnp.arange(NUM_DEVICES * 3, dtype=jnp.int32).reshape(NUM_DEVICES, 3)}
+  state = tx.init(jax.tree.map(lambda g: g[0], grads))
+
+  def two_steps(grads):
+    first, state1 = tx.update(grads, state)
+    return first, tx.update(grads, state1)[0]
+
+  warm, compressed = jax.pmap(two_steps, axis_name=AXIS)(grads)
+  expected = np.mean(np.asarray(grads["step"]), axis=0)
+  for mean in (warm, compressed):
+    assert mean["step"].dtype == jnp.float32
+    np.testing.assert_allclose(mean["step"][0], expected)
+
+
 # Warm-up and statistics.
 
 

@@ -11,7 +11,6 @@ and sizes from it.
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +57,6 @@ class Axes:
       NameError: an axis is not bound; it says how to bind it.
     """
     return tuple(_bound_size(name, owner) for name in self.names)
-
-  def size(self, owner: str) -> int:
-    """Devices taking part in the whole reduction: the product of the axes' sizes."""
-    return math.prod(self.sizes(owner))
 
 
 def parse(axis_name: AxisName, owner: str) -> Axes:

@@ -13,9 +13,10 @@ Leaves with fewer than ``min_compressed_size`` elements (biases, norm scales)
 travel in full precision in one fused ``psum``, as the QSGD paper and CGX do.
 
 The large leaves are encoded in a few batched encodes, not one a leaf (see
-``plan.py``): with a fixed ``bucket_size``, each padded to whole buckets and
-laid end to end as one vector, cut into pieces of whole buckets; otherwise
-leaves of one shape stacked under one ``vmap``. The compiled program stays
+``plan.py``): with a fixed ``bucket_size`` (or ``OneBit``'s rows, by row
+length), each padded to whole buckets and laid end to end as one vector, cut
+into pieces of whole buckets; otherwise each leaf is a segment of its own, and
+segments of one per-device width are stacked under one ``vmap``. The compiled program stays
 small, and every bucket is quantized as the compressor defines.
 
 A leaf whose size is not a multiple of ``bucket_size`` is padded with zeros to
@@ -117,6 +118,7 @@ def quantized_psum(
     Alistarh et al., QSGD, NeurIPS 2017; Seide et al., 1-Bit SGD,
     Interspeech 2014; Markov et al., CGX, Middleware 2022.
   """
+  plan.check_method(method, "quantized_psum")
   reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
                                   min_compressed_size=min_compressed_size,
                                   owner="quantized_psum", exact_own_piece=exact_own_piece)
@@ -151,6 +153,7 @@ def quantized_pmean(
     >>> bool(jnp.allclose(mean, (n - 1) / 2, rtol=1e-2))
     True
   """
+  plan.check_method(method, "quantized_pmean")
   reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
                                   min_compressed_size=min_compressed_size,
                                   owner="quantized_pmean", exact_own_piece=exact_own_piece)

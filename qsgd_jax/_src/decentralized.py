@@ -211,6 +211,10 @@ def low_precision_decentralized(
         f"got {bucket_bytes!r}."
     )
   parsed = axes.parse(axis_name, _OWNER)
+  if parsed.is_local:
+    raise ValueError(
+        f"{_OWNER}: axis_name=None has no ring: decentralized training exchanges models "
+        "between workers of a mapped axis; name it (and use optax alone on one device).")
   ring_axis, local_axes = parsed.outer, parsed.inner
   inner = optax.with_extra_args_support(inner)
 

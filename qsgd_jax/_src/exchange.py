@@ -24,7 +24,7 @@ def encode_blocks(compressor: base.Compressor, key: jax.Array, blocks: Sequence[
   Args:
     compressor: the compressor.
     key: a PRNG key; block ``g`` folds in ``g``, then splits over its batch.
-    blocks: from :meth:`~qsgd_jax._src.plan.ReductionPlan.join`, ``[batch, rows, ...]``.
+    blocks: from :func:`~qsgd_jax._src.layout.join`, ``[batch, rows, ...]``.
     batch_dims: how many leading axes to map ``encode`` over.
 
   Returns:

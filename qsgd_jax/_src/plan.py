@@ -206,10 +206,6 @@ class ReductionPlan:
     return tuple(i for i, k in enumerate(self.kinds) if k == kind)
 
   @property
-  def unchanged(self) -> tuple[int, ...]:
-    return self._indices("unchanged")
-
-  @property
   def integer(self) -> tuple[int, ...]:
     return self._indices("integer")
 
@@ -395,6 +391,16 @@ class ReductionPlan:
     return size
 
 
+def check_method(method, owner: str) -> None:
+  """Raises unless ``method`` is one of :data:`METHODS`, those a user may ask for.
+
+  The reduce-scatter is a plan of its own, made by ``quantized_psum_scatter``:
+  asked for by name elsewhere it would keep one device's shard of the sum.
+  """
+  if method not in METHODS:
+    raise ValueError(f"{owner}: method must be one of {METHODS}, got {method!r}.")
+
+
 def make_plan(
     tree,
     axis_name: axes_lib.AxisName,
@@ -414,7 +420,9 @@ def make_plan(
     tree: a pytree of arrays or ``jax.ShapeDtypeStruct``.
     axis_name: a mapped axis name, ``(outer, inner, ...)``, or ``None``.
     compressor: a :class:`~qsgd_jax.Compressor`.
-    method: one of :data:`METHODS`, or ``"reduce_scatter"``.
+    method: one of :data:`METHODS`, or ``"reduce_scatter"`` (only
+      ``quantized_psum_scatter`` asks for it; public entry points call
+      :func:`check_method` first).
     min_compressed_size: float leaves with fewer elements go in float32.
     axis_sizes: sizes by axis name, ``None`` for one not known. Without it,
       every axis must be bound (``jax.lax.axis_size``).
@@ -438,6 +446,11 @@ def make_plan(
     )
   if method not in (*METHODS, REDUCE_SCATTER):
     raise ValueError(f"{owner}: method must be one of {METHODS}, got {method!r}.")
+  if (not isinstance(min_compressed_size, int | np.integer)
+      or isinstance(min_compressed_size, bool) or min_compressed_size < 0):
+    raise ValueError(
+        f"{owner}: min_compressed_size must be a non-negative int (elements), got "
+        f"{min_compressed_size!r}.")
   if method == "psum" and not isinstance(compressor, base.SharedScaleCompressor):
     raise ValueError(
         f"{owner}: method='psum' needs a compressor with a shared-scale form (QSGD or "

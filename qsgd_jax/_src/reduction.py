@@ -127,9 +127,7 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   )
 
 
-def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array, *,
-                   local_error: tuple[jax.Array, ...] | None = None,
-                   want_local_error: bool = False) -> Reduction:
+def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   """Each device's shard of the sum of ``tree``, as the reduce-scatter plan says.
 
   Like :func:`reduce`, for a plan of ``method="reduce_scatter"``: device ``j``
@@ -140,15 +138,16 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array, *,
   of packed pieces, the device's own piece added exactly.
 
   Returns:
-    A :class:`Reduction` whose tree holds the shards; ``local_error`` as in
-    :func:`reduce`, ``owner_error`` ``None``.
+    A :class:`Reduction` whose tree holds the shards and whose payloads are
+    the first phase's; ``local_error`` and ``owner_error`` ``None`` (no
+    error feedback).
   """
   axes_lib.check_varying(tree, plan.axes, plan.owner)
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   axis, n = plan.axes.outer, plan.outer_size
   out = list(leaves)
-  sent_error, payloads = None, {}
+  payloads = {}
   for i in plan.integer:
     out[i] = jax.lax.psum_scatter(leaves[i], axis, scatter_dimension=plan.scatter_dimension,
                                   tiled=plan.tiled)
@@ -162,22 +161,15 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array, *,
       out[i] = layout.output_leaf(plan, i, shard).astype(leaves[i].dtype)
   if plan.compressed:
     vectors = layout.segment_vectors(plan, leaves)
-    if local_error is not None:
-      vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
     key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axis))
-    first = scatter_phase(plan, layout.join(plan, vectors), key,
-                          want_local_error or local_error is not None)
+    first = scatter_phase(plan, layout.join(plan, vectors), key, want_sent_error=False)
     rows = layout.split(plan, first.owned, length=lambda segment: segment.length // n)
     for i, shard in layout.segment_leaves(plan, rows).items():
       out[i] = shard.astype(leaves[i].dtype)
-    sent_error, payloads = first.sent_error, {"first phase": tuple(first.payloads)}
-  want_local_error = want_local_error or local_error is not None
+    payloads = {"first phase": tuple(first.payloads)}
   return Reduction(
-      tree=jax.tree.unflatten(treedef, out),
-      local_error=tuple(sent_error or ()) if want_local_error else None,
-      owner_error=None,
-      payloads=payloads,
-  )
+      tree=jax.tree.unflatten(treedef, out), local_error=None, owner_error=None,
+      payloads=payloads)
 
 
 def _outer_sum(plan: ReductionPlan, vectors, key, divisor, owner_error, want_sent_error):

@@ -22,15 +22,17 @@ class CompressedAllReduceState(NamedTuple):
     key: typed PRNG key ``key<impl>[]``, split every step; the same on every
       device (each device folds in its axis index).
     count: ``int32[]``, steps taken (for the warm-up).
-    local_error: per device, one ``float32[length]`` a leaf sent compressed,
-      ``length`` the elements the device quantizes of it (the leaf's size, or
-      its share after the full-precision reduce-scatter over inner axes): the
-      residual of the device's own compressed gradient (empty tuple without
-      worker error feedback).
-    chunk_error: per device, one ``float32[batch, width]`` a block of the
-      reduction plan (all leaves side by side for a compressor with a fixed
-      bucket size, else one block a leaf shape): the residual of re-quantizing
-      the sums the device owns (empty tuple without owner error feedback).
+    local_error: per device, one ``float32[length]`` a segment of the
+      reduction plan (compressed leaves laid end to end, each padded to whole
+      buckets or rows; ``length`` the elements the device quantizes, after the
+      full-precision reduce-scatter over inner axes if any): the residual of
+      the device's own compressed gradient (empty tuple without worker error
+      feedback).
+    chunk_error: per device, one ``float32[batch, *element_shape]`` a block of
+      the plan (segments encoded together; ``element_shape`` is ``(width //
+      run, run)`` for a segment of buckets or rows, else ``(width,)``): the
+      residual of re-quantizing the sums of the pieces the device owns (empty
+      tuple without owner error feedback).
     stats: the last step's :class:`CompressionStats`.
   """
 
@@ -159,8 +161,15 @@ def compressed_allreduce(
     )
   if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
+  plan.check_method(method, "compressed_allreduce")
   worker_feedback = error_feedback in (True, "worker", "both")
   owner_feedback = error_feedback in ("owner", "both")
+  if owner_feedback and axis_name is None:
+    raise ValueError(
+        f"compressed_allreduce: error_feedback={error_feedback!r} keeps residuals on the "
+        "owners of the reduced pieces, and axis_name=None has none; use "
+        "error_feedback='worker'.")
+  _check_axis_size(axis_name, axis_size)
   if owner_feedback and method != "two_phase":
     raise ValueError(
         f"owner error feedback needs method='two_phase': {method!r} has no piece owners.")
@@ -191,6 +200,7 @@ def compressed_allreduce(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     reduction_plan = make_plan(updates)
+    _check_residual_shapes(reduction_plan, state, axis_size)
     _warn_if_little_is_compressed(reduction_plan)
     next_key, step_key = jax.random.split(state.key)
     local = reduction_plan.axes.is_local
@@ -234,7 +244,8 @@ def compressed_allreduce(
               stats.make(wire_bits, float32_bits, elias_bits, outer_bits, outer_float32_bits))
 
     def full_precision(_):
-      mean = jax.tree.map(lambda x: jax.lax.pmean(x, axis_name) if _is_float(x) else x,
+      # As the reduction does: integer leaves averaged to floats, float0 ones left alone.
+      mean = jax.tree.map(lambda x: x if _is_float0(x) else jax.lax.pmean(x, axis_name),
                           updates) if not local else updates
       return (mean, axes.as_varying(state.local_error, axis_name),
               axes.as_varying(state.chunk_error, axis_name),
@@ -383,6 +394,39 @@ def onebit_sgd(
   )
 
 
+def _check_axis_size(axis_name, axis_size) -> None:
+  """Raises unless ``axis_size`` is ``None``, a positive int, or positive ints by axis name."""
+  names = axes.parse(axis_name, "compressed_allreduce").names
+  sizes = axis_size if isinstance(axis_size, dict) else {None: axis_size}
+  for name, size in sizes.items():
+    if size is None and name is None:
+      continue
+    if name is not None and name not in names:
+      raise ValueError(
+          f"compressed_allreduce: axis_size names axis {name!r}, not one of {names}.")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise ValueError(
+          f"compressed_allreduce: axis_size must be a positive int (or a dict of them by "
+          f"axis name), got {axis_size!r}.")
+
+
+def _check_residual_shapes(reduction_plan: plan.ReductionPlan, state, axis_size) -> None:
+  """Raises where the state's residuals are not the shapes this step's plan holds."""
+  for field, shapes in (("local_error", reduction_plan.local_error_shapes),
+                        ("chunk_error", reduction_plan.owner_error_shapes)):
+    held = getattr(state, field)
+    if not held:
+      continue
+    expected = shapes()
+    if tuple(e.shape for e in held) != tuple(e.shape for e in expected):
+      raise ValueError(
+          f"compressed_allreduce: the state's {field} has shapes "
+          f"{[e.shape for e in held]}, this step needs {[e.shape for e in expected]}: init "
+          f"saw another axis size (axis_size={axis_size!r}) or another tree than update. "
+          "Pass the mapped axis's true size as axis_size, or call init inside the mapped "
+          "function.")
+
+
 def _axis_sizes(axis_name, axis_size) -> dict[str, int | None]:
   """Each axis's size: as given, else as bound here, else ``None`` (unknown)."""
   names = axes.parse(axis_name, "compressed_allreduce").names
@@ -409,6 +453,10 @@ def _zeros(shapes) -> tuple[jax.Array, ...]:
 
 def _where(condition, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...]):
   return tuple(jnp.where(condition, n, o) for n, o in zip(new, old, strict=True))
+
+
+def _is_float0(x) -> bool:
+  return jnp.result_type(x) == jax.dtypes.float0
 
 
 def _is_float(x) -> bool:

@@ -34,8 +34,9 @@ class TwoPhaseOutput(NamedTuple):
   Attributes:
     results: for each segment, ``float32[length]``: the sum.
     sent_error: for each segment, ``float32[length]``: what the device's
-      first-phase quantization dropped, ``input - decode(encode(input))``,
-      zero on its own piece, which it adds exactly (``None`` unless asked for).
+      first-phase quantization dropped, ``input - decode(encode(input))``;
+      with ``exact_own_piece``, zero on its own piece, which it adds exactly
+      (``None`` unless asked for).
     owner_error: for each block, ``float32[batch, *element_shape]``: the error
       of this device's re-quantized sum (``None`` unless ``owner_error`` was
       given).

@@ -93,6 +93,9 @@ class NearestZeroAlignedMinMax(base.Compressor):
     """Steps between the lowest and the highest code, ``2**bits - 1``."""
     return 2**self.bits - 1
 
+  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
+    return self.bucket_size
+
   def _bucket_len(self, size: int) -> int:
     return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
