@@ -88,6 +88,22 @@ class Compressor(abc.ABC):
     return _wire_bits(self, tuple(shape), np.dtype(dtype))
 
 
+class FixedBuckets:
+  """For a compressor with a ``bucket_size`` field: runs of that many elements.
+
+  ``bucket_size=None`` is one run for the whole array. Mixed in before the
+  compressor's base class.
+  """
+
+  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
+    del shape  # The same runs for every shape.
+    return self.bucket_size
+
+  def _bucket_len(self, size: int) -> int:
+    """Elements of a bucket of an array of ``size`` elements (its only one if shorter)."""
+    return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
+
+
 class SharedScaleCompressor(Compressor):
   """A compressor whose codes are integers against per-bucket scales.
 

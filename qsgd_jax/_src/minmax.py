@@ -14,7 +14,7 @@ _STEP_CORRECTIONS = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class MinMax(base.SharedScaleCompressor):
+class MinMax(base.FixedBuckets, base.SharedScaleCompressor):
   r"""Min-max quantization with ``2**bits - 1`` intervals and stochastic rounding.
 
   Each bucket's range :math:`[m, M]` (its minimum and maximum) is cut into
@@ -71,12 +71,6 @@ class MinMax(base.SharedScaleCompressor):
   def num_steps(self) -> int:
     """Intervals of a bucket's range, ``2**bits - 1``."""
     return 2**self.bits - 1
-
-  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
-    return self.bucket_size
-
-  def _bucket_len(self, size: int) -> int:
-    return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
   @property
   def code_range(self) -> tuple[int, int]:

@@ -32,7 +32,7 @@ class EliasSize(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD(base.SharedScaleCompressor):
+class QSGD(base.FixedBuckets, base.SharedScaleCompressor):
   r"""QSGD's stochastic quantizer :math:`Q_s`, applied per bucket.
 
   A vector is cut into buckets of ``bucket_size`` consecutive coordinates
@@ -117,12 +117,6 @@ class QSGD(base.SharedScaleCompressor):
     base.check_bucket_size("QSGD", self.bucket_size)
     if self.norm not in ("max", "l2"):
       raise ValueError(f"QSGD: norm must be 'max' or 'l2', got {self.norm!r}.")
-
-  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
-    return self.bucket_size
-
-  def _bucket_len(self, size: int) -> int:
-    return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
   @property
   def code_range(self) -> tuple[int, int]:

@@ -15,7 +15,7 @@ _RANGE_EPSILON = np.float32(1e-7)
 
 
 @dataclasses.dataclass(frozen=True)
-class NearestZeroAlignedMinMax(base.Compressor):
+class NearestZeroAlignedMinMax(base.FixedBuckets, base.Compressor):
   r"""Min-max quantization rounded to nearest on a grid through zero (Bagua's ``MinMaxUInt8``).
 
   With :math:`L = 2^b - 1` (255 for ``bits=8``), a bucket with minimum
@@ -92,12 +92,6 @@ class NearestZeroAlignedMinMax(base.Compressor):
   def num_steps(self) -> int:
     """Steps between the lowest and the highest code, ``2**bits - 1``."""
     return 2**self.bits - 1
-
-  def bucket_length(self, shape: tuple[int, ...]) -> int | None:
-    return self.bucket_size
-
-  def _bucket_len(self, size: int) -> int:
-    return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
   def _grid(self, low: jax.Array, high: jax.Array):
     """Each bucket's scale :math:`s`, top level :math:`u`, bottom level :math:`l`, and shrink.
