@@ -118,11 +118,8 @@ def quantized_psum(
     Alistarh et al., QSGD, NeurIPS 2017; Seide et al., 1-Bit SGD,
     Interspeech 2014; Markov et al., CGX, Middleware 2022.
   """
-  plan.check_method(method, "quantized_psum")
-  reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
-                                  min_compressed_size=min_compressed_size,
-                                  owner="quantized_psum", exact_own_piece=exact_own_piece)
-  return reduction.reduce(reduction_plan, tree, key, mean=False).tree
+  return _reduce(tree, axis_name, compressor, key, method, min_compressed_size,
+                 exact_own_piece, owner="quantized_psum", mean=False)
 
 
 def quantized_pmean(
@@ -153,11 +150,8 @@ def quantized_pmean(
     >>> bool(jnp.allclose(mean, (n - 1) / 2, rtol=1e-2))
     True
   """
-  plan.check_method(method, "quantized_pmean")
-  reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
-                                  min_compressed_size=min_compressed_size,
-                                  owner="quantized_pmean", exact_own_piece=exact_own_piece)
-  return reduction.reduce(reduction_plan, tree, key, mean=True).tree
+  return _reduce(tree, axis_name, compressor, key, method, min_compressed_size,
+                 exact_own_piece, owner="quantized_pmean", mean=True)
 
 
 def quantized_psum_scatter(
@@ -225,3 +219,13 @@ def quantized_psum_scatter(
       min_compressed_size=min_compressed_size, owner="quantized_psum_scatter",
       scatter_dimension=scatter_dimension, tiled=tiled)
   return reduction.reduce_scatter(reduction_plan, tree, key).tree
+
+
+def _reduce(tree, axis_name, compressor, key, method, min_compressed_size, exact_own_piece, *,
+            owner: str, mean: bool):
+  """The sum (or mean) of ``tree`` over ``axis_name`` by a plan of a user's ``method``."""
+  plan.check_method(method, owner)
+  reduction_plan = plan.make_plan(tree, axis_name, compressor, method=method,
+                                  min_compressed_size=min_compressed_size, owner=owner,
+                                  exact_own_piece=exact_own_piece)
+  return reduction.reduce(reduction_plan, tree, key, mean=mean).tree
