@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, serialize, stats, wire
+from qsgd_jax._src import axes, base, layout, plan, serialize, stats, wire
 from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
 
 _OWNER = "low_precision_decentralized"
@@ -391,20 +391,15 @@ def _arrays(shapes, buckets: list[list[int]], compressor: base.Compressor) -> li
     for k in bucket:
       by_run.setdefault(compressor.bucket_length(shapes[k]), []).append(k)
     for run, members in by_run.items():
-      offsets, end = [], 0
-      for k in members:
-        offsets.append(end)
-        end += -(-math.prod(shapes[k]) // (run or 1)) * (run or 1)
-      arrays.append(_Array(tuple(members), tuple(offsets), run, end))
+      offsets, end = plan.padded_offsets([math.prod(shapes[k]) for k in members], run or 1)
+      arrays.append(_Array(tuple(members), offsets, run, end))
   return arrays
 
 
 def _joined(array: _Array, leaves: list[jax.Array]) -> jax.Array:
   """The array's leaves in float32, end to end, as ``[runs, run]`` (or a vector)."""
-  ends = (*array.offsets[1:], array.length)
-  joined = jnp.concatenate([
-      jnp.pad(leaves[k].astype(jnp.float32).reshape(-1), (0, end - offset - leaves[k].size))
-      for k, offset, end in zip(array.leaves, array.offsets, ends, strict=True)])
+  joined = layout.end_to_end([leaves[k].astype(jnp.float32).reshape(-1) for k in array.leaves],
+                             array.offsets, array.length)
   return joined if array.run is None else joined.reshape(-1, array.run)
 
 

@@ -20,14 +20,20 @@ def segment_vectors(plan: ReductionPlan, leaves: list[jax.Array]) -> list[jax.Ar
   """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded)."""
   if plan.method == REDUCE_SCATTER:
     return [_shard_rows(plan, segment, leaves) for segment in plan.segments]
-  vectors = []
-  for segment in plan.segments:
-    ends = (*segment.offsets[1:], segment.full_length)
-    vectors.append(jnp.concatenate([
-        jnp.pad(leaves[i].astype(jnp.float32).reshape(-1),
-                (0, end - offset - math.prod(plan.leaf_shapes[i])))
-        for i, offset, end in zip(segment.leaves, segment.offsets, ends, strict=True)]))
-  return vectors
+  return [end_to_end([leaves[i].astype(jnp.float32).reshape(-1) for i in segment.leaves],
+                     segment.offsets, segment.full_length)
+          for segment in plan.segments]
+
+
+def end_to_end(pieces: list[jax.Array], offsets: tuple[int, ...], total: int) -> jax.Array:
+  """``pieces`` end to end along their last axis, piece ``k`` from ``offsets[k]`` on.
+
+  Each is zero-padded up to the next one's offset, the last one to ``total``.
+  """
+  ends = (*offsets[1:], total)
+  return jnp.concatenate([
+      jnp.pad(piece, [(0, 0)] * (piece.ndim - 1) + [(0, end - offset - piece.shape[-1])])
+      for piece, offset, end in zip(pieces, offsets, ends, strict=True)], axis=-1)
 
 
 def segment_leaves(plan: ReductionPlan, vectors: list[jax.Array]) -> dict[int, jax.Array]:
@@ -64,12 +70,8 @@ def scatter_rows(plan: ReductionPlan, leaf: jax.Array) -> jax.Array:
 
 def _shard_rows(plan: ReductionPlan, segment, leaves: list[jax.Array]) -> jax.Array:
   """A reduce-scatter segment: its leaves' shards end to end in ``n`` rows, flattened."""
-  width = segment.length // plan.outer_size
-  ends = (*segment.offsets[1:], width)
   rows = [scatter_rows(plan, leaves[i].astype(jnp.float32)) for i in segment.leaves]
-  return jnp.concatenate(
-      [jnp.pad(r, ((0, 0), (0, end - offset - r.shape[1])))
-       for r, offset, end in zip(rows, segment.offsets, ends, strict=True)], axis=1).reshape(-1)
+  return end_to_end(rows, segment.offsets, segment.length // plan.outer_size).reshape(-1)
 
 
 def join(plan: ReductionPlan, vectors: list[jax.Array]) -> list[jax.Array]:

@@ -249,16 +249,14 @@ class ReductionPlan:
     segments = []
     for run, leaves in groups.values():
       unit = run or 1
-      offsets, end = [], 0
-      for i in leaves:
-        offsets.append(end)
-        size = math.prod(self._shard_rows_shape(i) if scatter else self.leaf_shapes[i])
-        end += -(-size // unit) * unit
+      offsets, end = padded_offsets(
+          [math.prod(self._shard_rows_shape(i) if scatter else self.leaf_shapes[i])
+           for i in leaves], unit)
       if scatter:  # n rows of the shards end to end.
         length = self.outer_size * end
       else:
         length = -(-end // (m * unit)) * unit
-      segments.append(Segment(tuple(leaves), tuple(offsets), run, m * length, length))
+      segments.append(Segment(tuple(leaves), offsets, run, m * length, length))
     return tuple(segments)
 
   @functools.cached_property
@@ -389,6 +387,16 @@ class ReductionPlan:
           "call init inside the mapped function."
       )
     return size
+
+
+def padded_offsets(sizes, unit: int) -> tuple[tuple[int, ...], int]:
+  """Where arrays of ``sizes`` elements start, laid end to end each zero-padded to whole
+  runs of ``unit``; and where the last one ends."""
+  offsets, end = [], 0
+  for size in sizes:
+    offsets.append(end)
+    end += -(-size // unit) * unit
+  return tuple(offsets), end
 
 
 def check_method(method, owner: str) -> None:
