@@ -459,6 +459,12 @@ def test_bad_axis_size_is_a_value_error(axis_size):
     qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=axis_size)
 
 
+def test_one_axis_size_for_two_axes_is_a_value_error():
+  with pytest.raises(ValueError, match=r"axis_size must be a dict naming each of \('node', "
+                     r"'local'\), got 8"):
+    qsgd_jax.onebit_sgd(("node", "local"), axis_size=8)
+
+
 def test_residuals_of_another_axis_size_are_an_error_naming_axis_size():
   # 8 devices run it; the owners' residuals hold a piece of 1/n of the segment each.
   tx = qsgd_jax.onebit_sgd(AXIS, error_feedback="owner", min_compressed_size=0, axis_size=2)

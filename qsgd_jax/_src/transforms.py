@@ -169,7 +169,7 @@ def compressed_allreduce(
         f"compressed_allreduce: error_feedback={error_feedback!r} keeps residuals on the "
         "owners of the reduced pieces, and axis_name=None has none; use "
         "error_feedback='worker'.")
-  _check_axis_size(axis_name, axis_size)
+  given_axis_sizes = _given_axis_sizes(axis_name, axis_size)
   if owner_feedback and method != "two_phase":
     raise ValueError(
         f"owner error feedback needs method='two_phase': {method!r} has no piece owners.")
@@ -188,7 +188,7 @@ def compressed_allreduce(
   make_plan((), axis_sizes={})
 
   def init_fn(params):
-    reduction_plan = make_plan(params, _axis_sizes(axis_name, axis_size))
+    reduction_plan = make_plan(params, _axis_sizes(axis_name, given_axis_sizes))
     return CompressedAllReduceState(
         key=base.as_key(key),
         count=jnp.zeros((), jnp.int32),
@@ -394,20 +394,28 @@ def onebit_sgd(
   )
 
 
-def _check_axis_size(axis_name, axis_size) -> None:
-  """Raises unless ``axis_size`` is ``None``, a positive int, or positive ints by axis name."""
+def _given_axis_sizes(axis_name, axis_size) -> dict[str, int]:
+  """``axis_size`` by axis name, checked: ``None``, a positive int (one axis) or a dict of them."""
   names = axes.parse(axis_name, "compressed_allreduce").names
-  sizes = axis_size if isinstance(axis_size, dict) else {None: axis_size}
-  for name, size in sizes.items():
-    if size is None and name is None:
-      continue
-    if name is not None and name not in names:
+  if axis_size is None:
+    return {}
+  if isinstance(axis_size, dict):
+    given = dict(axis_size)
+  elif len(names) == 1:
+    given = {names[0]: axis_size}
+  else:
+    raise ValueError(
+        f"compressed_allreduce: axis_size must be a dict naming each of {names}, "
+        f"got {axis_size!r}.")
+  for name, size in given.items():
+    if name not in names:
       raise ValueError(
           f"compressed_allreduce: axis_size names axis {name!r}, not one of {names}.")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
       raise ValueError(
           f"compressed_allreduce: axis_size must be a positive int (or a dict of them by "
           f"axis name), got {axis_size!r}.")
+  return given
 
 
 def _check_residual_shapes(reduction_plan: plan.ReductionPlan, state, axis_size) -> None:
@@ -427,19 +435,10 @@ def _check_residual_shapes(reduction_plan: plan.ReductionPlan, state, axis_size)
           "function.")
 
 
-def _axis_sizes(axis_name, axis_size) -> dict[str, int | None]:
+def _axis_sizes(axis_name, given: dict[str, int]) -> dict[str, int | None]:
   """Each axis's size: as given, else as bound here, else ``None`` (unknown)."""
-  names = axes.parse(axis_name, "compressed_allreduce").names
-  if axis_size is None:
-    given = {}
-  elif isinstance(axis_size, int):
-    if len(names) != 1:
-      raise ValueError(f"axis_size must be a dict naming each of {names}, got {axis_size}.")
-    given = {names[0]: axis_size}
-  else:
-    given = dict(axis_size)
   sizes = {}
-  for name in names:
+  for name in axes.parse(axis_name, "compressed_allreduce").names:
     try:
       sizes[name] = given[name] if name in given else jax.lax.axis_size(name)
     except NameError:
