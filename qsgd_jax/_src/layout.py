@@ -80,7 +80,7 @@ def join(plan: ReductionPlan, vectors: list[jax.Array]) -> list[jax.Array]:
   for block in plan.blocks:
     size = block.rows * block.width
     blocks.append(jnp.stack([
-        jnp.pad(vectors[k], (0, size - vectors[k].size)).reshape(block.rows, *block.element_shape)
+        _pad_end(vectors[k], size).reshape(block.rows, *block.element_shape)
         for k in block.segments]))
   return blocks
 
@@ -97,3 +97,15 @@ def split(plan: ReductionPlan, blocks: list[jax.Array], length=None) -> list[jax
       segment = plan.segments[k]
       vectors[k] = data[b].reshape(-1)[: segment.length if length is None else length(segment)]
   return vectors
+
+
+def _pad_end(vector: jax.Array, size: int) -> jax.Array:
+  """``vector`` zero-padded to ``size`` elements, as a concatenation.
+
+  XLA merges a concatenation into the one that made ``vector`` (the
+  segment's leaves end to end), where it copies a padded ``vector`` out
+  once more in full.
+  """
+  if vector.size == size:
+    return vector
+  return jnp.concatenate([vector, jnp.zeros(size - vector.size, vector.dtype)])
