@@ -653,6 +653,9 @@ def _header(args, argv, denied: str | None) -> str:
       f" sharing this machine's {os.cpu_count()} cores"
       f" ({platform.processor() or platform.machine()}, load average"
       f" {os.getloadavg()[0]:.1f} at the start).", "",
+      f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} in every process"
+      + (": XLA's temporary buffers on transparent huge pages." if _hugetlb() else
+         ": XLA's temporary buffers faulted in 4 KiB at a time, every call."), "",
   ]
   if denied:
     lines.append(f"No network namespace: {denied}. Measuring unthrottled only, on the host's"
@@ -667,6 +670,11 @@ def _header(args, argv, denied: str | None) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _hugetlb() -> bool:
+  """Whether glibc's malloc is asked for transparent huge pages (inherited by the processes)."""
+  return "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+
+
 def _section(title: str, text: str) -> str:
   section = f"\n## {title}\n{text}"
   print(section, flush=True)
@@ -677,13 +685,15 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
-  suffix = f"{args.processes}proc" + ("_quick" if args.quick else "")
+  suffix = (f"{args.processes}proc" + ("_quick" if args.quick else "")
+            + ("_hugetlb" if _hugetlb() else ""))
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
   print(sections[0], flush=True)
   report = {"command": _command(argv), "processes": args.processes, "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "namespace": None if denied else args.namespace, "no_namespace_because": denied}
   started = time.perf_counter()
   work = pathlib.Path(tempfile.mkdtemp(prefix="qsgd_jax_network_"))

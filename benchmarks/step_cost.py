@@ -23,9 +23,18 @@ On simulated devices the collectives are memory copies, not a network: this
 measures the compute a step adds, which ``benchmarks/network.py`` puts on a
 real link.
 
+It also counts the minor page faults of a whole reduction: XLA on CPU takes
+a call's temporary buffers from ``malloc``, which maps large ones fresh from
+the kernel each call, so every 4 KiB page of them faults when first written.
+With glibc 2.35 or later, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` asks for
+transparent huge pages there instead (the kernel's
+``/sys/kernel/mm/transparent_hugepage/enabled`` must not be ``never``); the
+result file then ends in ``_hugetlb``.
+
 Usage::
 
   python benchmarks/step_cost.py --out benchmarks/results/
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/step_cost.py --out benchmarks/results/
   python benchmarks/step_cost.py --repeats 5 --width-divisor 4
 """
 
@@ -33,6 +42,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -70,6 +80,14 @@ from qsgd_jax._src import plan as plan_lib  # noqa: E402
 AXIS = "batch"
 COMPRESSOR = qsgd_jax.QSGD(bits=4)
 KEY = jax.random.key(0)
+
+
+def _minor_faults_per_call(f, args, calls: int) -> float:
+  """Minor page faults of this process a call of ``f``: its fresh buffers' pages, touched."""
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  for _ in range(calls):
+    jax.block_until_ready(f(*args))
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def _median_seconds(functions: dict, args: dict, repeats: int) -> dict[str, float]:
@@ -188,10 +206,13 @@ def stages(setup: Setup, repeats: int) -> dict:
       lambda t: qsgd_jax.quantized_pmean(first(t), AXIS, COMPRESSOR, KEY), P(AXIS), P())
   args["whole quantized_pmean"] = (setup.tree,)
   seconds = _median_seconds(functions, args, repeats)
+  faults = _minor_faults_per_call(functions["whole quantized_pmean"],
+                                  args["whole quantized_pmean"], repeats)
   codec = sum(seconds[name] for name in ("encode", "decode received", "re-encode",
                                          "decode gathered"))
   return {"seconds": seconds, "encodes_and_decodes_seconds": codec,
-          "whole_over_encodes_and_decodes": seconds["whole quantized_pmean"] / codec}
+          "whole_over_encodes_and_decodes": seconds["whole quantized_pmean"] / codec,
+          "whole_minor_page_faults_per_call": faults}
 
 
 def main() -> None:
@@ -205,8 +226,12 @@ def main() -> None:
   setup = Setup(options.width_divisor)
   print(f"ResNet-50 tree / {options.width_divisor}, QSGD 4-bit two-phase, {setup.n} simulated "
         f"CPU devices; medians of {options.repeats}.")
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  print(f"GLIBC_TUNABLES={tunables!r}: XLA's temporary buffers are "
+        + ("backed by transparent huge pages where the kernel allows." if "hugetlb=1" in tunables
+           else "faulted in 4 KiB at a time, every call (see the README)."))
   record = {"devices": setup.n, "width_divisor": options.width_divisor,
-            "repeats": options.repeats, "jax": jax.__version__}
+            "repeats": options.repeats, "jax": jax.__version__, "glibc_tunables": tunables}
   record["overhead"] = overhead(setup, options.repeats)
   print("\nThe default step against the reduction it wraps (target <= 1.05x):")
   for name, row in record["overhead"].items():
@@ -217,8 +242,11 @@ def main() -> None:
     print(f"  {name:22s} {1e3 * t:9.1f} ms")
   print(f"  whole / (encodes + decodes) = "
         f"{record['stages']['whole_over_encodes_and_decodes']:.2f}x (target <= 1.3x)")
+  print(f"  minor page faults a whole call: "
+        f"{record['stages']['whole_minor_page_faults_per_call']:,.0f}")
   options.out.mkdir(parents=True, exist_ok=True)
-  path = options.out / f"step_cost_{setup.n}devices_div{options.width_divisor}.json"
+  suffix = "_hugetlb" if "hugetlb=1" in tunables else ""
+  path = options.out / f"step_cost_{setup.n}devices_div{options.width_divisor}{suffix}.json"
   path.write_text(json.dumps(record, indent=2) + "\n")
   print(f"\nWrote {path}")
 

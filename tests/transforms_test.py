@@ -22,6 +22,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import qsgd_jax
+from qsgd_jax._src import transforms
 
 AXIS = "batch"
 NUM_DEVICES = 8
@@ -277,6 +278,17 @@ def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
     assert np.isfinite(leaf).all()
   assert not np.array_equal(np.asarray(params["w"]), np.asarray(skipped_params["w"]))
   assert_replicas_identical(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None])
+def test_all_finite_finds_one_bad_element_in_any_float_leaf(dtype, bad):
+  largest = float(jnp.finfo(dtype).max)  # Finite, and its square is not.
+  tree = {"w": jnp.full((64, 33), largest, dtype), "b": -jnp.full((7,), largest, dtype),
+          "steps": jnp.arange(3)}
+  if bad is not None:
+    tree["w"] = tree["w"].at[40, 17].set(bad)
+  assert bool(jax.jit(transforms._all_finite)(tree)) == (bad is None)
 
 
 def _multiples_of_an_eighth():

@@ -463,9 +463,17 @@ def _is_float(x) -> bool:
 
 
 def _all_finite(tree) -> jax.Array:
-  """Whether every float leaf of ``tree`` is finite (integer leaves always are)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
-                            if _is_float(leaf)] or [jnp.bool_(True)]))
+  """Whether every float leaf of ``tree`` is finite (integer leaves always are).
+
+  ``x * 0`` is zero for a finite ``x`` and NaN for an infinite or NaN one, so
+  the sum of a leaf's ``x * 0`` is finite exactly when the leaf is (and
+  cannot overflow). XLA on CPU fuses that product into the sum; it wrote
+  ``isfinite(leaf)`` out as a boolean array a leaf before reducing it, a
+  quarter of the step's own time on ResNet-50's gradient.
+  """
+  sums = [jnp.sum(leaf * jnp.zeros((), leaf.dtype), dtype=jnp.float32)
+          for leaf in jax.tree.leaves(tree) if _is_float(leaf)]
+  return jnp.isfinite(sum(sums)) if sums else jnp.bool_(True)
 
 
 # Plans already warned about, so that each tree is warned about once.
