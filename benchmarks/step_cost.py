@@ -17,7 +17,9 @@ default: one a core here) under ``jax.shard_map``:
    sum; the re-encode of the owned sums; the all-gather; the decode of every
    owner's sums; the blocks back into leaves), next to the whole reduction.
    The target is a whole reduction within 1.3x of the encodes and decodes it
-   performs.
+   performs. Stages compiled alone write out what the whole program keeps
+   fused, so the whole program's own largest kernels are listed too, from a
+   ``jax.profiler`` trace of it.
 
 On simulated devices the collectives are memory copies, not a network: this
 measures the compute a step adds, which ``benchmarks/network.py`` puts on a
@@ -39,12 +41,16 @@ Usage::
 """
 
 import argparse
+import collections
+import gzip
 import json
 import os
 import pathlib
+import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -88,6 +94,32 @@ def _minor_faults_per_call(f, args, calls: int) -> float:
   for _ in range(calls):
     jax.block_until_ready(f(*args))
   return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+# Trace events of the runtime around the kernels, not kernels themselves.
+_RUNTIME_EVENTS = ("ThunkExecutor", "Wait", "Rendezvous", "InvokeRendezvous", "PjitFunction",
+                   "ParseArguments", "Handle inputs",
+                   "CommonPjRt", "[", "$")
+
+
+def _kernel_times(f, args, calls: int, top: int = 10) -> list[tuple[str, float]]:
+  """The compiled program's largest kernels: ms a call, all devices' together, from a trace.
+
+  ``jax.profiler`` records each thunk XLA's CPU runtime runs (a fusion, a copy,
+  a collective); names differing only in a numeric suffix are added together.
+  """
+  with tempfile.TemporaryDirectory() as directory:
+    jax.profiler.start_trace(directory)
+    for _ in range(calls):
+      jax.block_until_ready(f(*args))
+    jax.profiler.stop_trace()
+    (path,) = pathlib.Path(directory).rglob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+  totals = collections.Counter()
+  for event in events:
+    if event.get("ph") == "X" and not event["name"].startswith(_RUNTIME_EVENTS):
+      totals[re.sub(r"\.\d+$", "", event["name"])] += event["dur"] / 1e3 / calls
+  return totals.most_common(top)
 
 
 def _median_seconds(functions: dict, args: dict, repeats: int) -> dict[str, float]:
@@ -208,11 +240,14 @@ def stages(setup: Setup, repeats: int) -> dict:
   seconds = _median_seconds(functions, args, repeats)
   faults = _minor_faults_per_call(functions["whole quantized_pmean"],
                                   args["whole quantized_pmean"], repeats)
+  kernels = _kernel_times(functions["whole quantized_pmean"], args["whole quantized_pmean"],
+                         repeats)
   codec = sum(seconds[name] for name in ("encode", "decode received", "re-encode",
                                          "decode gathered"))
   return {"seconds": seconds, "encodes_and_decodes_seconds": codec,
           "whole_over_encodes_and_decodes": seconds["whole quantized_pmean"] / codec,
-          "whole_minor_page_faults_per_call": faults}
+          "whole_minor_page_faults_per_call": faults,
+          "whole_largest_kernels_ms_per_call": kernels}
 
 
 def main() -> None:
@@ -244,6 +279,10 @@ def main() -> None:
         f"{record['stages']['whole_over_encodes_and_decodes']:.2f}x (target <= 1.3x)")
   print(f"  minor page faults a whole call: "
         f"{record['stages']['whole_minor_page_faults_per_call']:,.0f}")
+  print(f"\nThe whole quantized_pmean's largest kernels (jax.profiler; ms a call, its"
+        f" {setup.n} devices' together):")
+  for name, ms in record["stages"]["whole_largest_kernels_ms_per_call"]:
+    print(f"  {name:40s} {ms:9.1f} ms")
   options.out.mkdir(parents=True, exist_ok=True)
   suffix = "_hugetlb" if "hugetlb=1" in tunables else ""
   path = options.out / f"step_cost_{setup.n}devices_div{options.width_divisor}{suffix}.json"
