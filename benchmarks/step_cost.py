@@ -262,8 +262,9 @@ def main() -> None:
   print(f"ResNet-50 tree / {options.width_divisor}, QSGD 4-bit two-phase, {setup.n} simulated "
         f"CPU devices; medians of {options.repeats}.")
   tunables = os.environ.get("GLIBC_TUNABLES", "")
+  hugetlb = "glibc.malloc.hugetlb=1" in tunables  # As benchmarks/network.py tells it.
   print(f"GLIBC_TUNABLES={tunables!r}: XLA's temporary buffers are "
-        + ("backed by transparent huge pages where the kernel allows." if "hugetlb=1" in tunables
+        + ("backed by transparent huge pages where the kernel allows." if hugetlb
            else "faulted in 4 KiB at a time, every call (see the README)."))
   record = {"devices": setup.n, "width_divisor": options.width_divisor,
             "repeats": options.repeats, "jax": jax.__version__, "glibc_tunables": tunables}
@@ -284,7 +285,7 @@ def main() -> None:
   for name, ms in record["stages"]["whole_largest_kernels_ms_per_call"]:
     print(f"  {name:40s} {ms:9.1f} ms")
   options.out.mkdir(parents=True, exist_ok=True)
-  suffix = "_hugetlb" if "hugetlb=1" in tunables else ""
+  suffix = "_hugetlb" if hugetlb else ""
   path = options.out / f"step_cost_{setup.n}devices_div{options.width_divisor}{suffix}.json"
   path.write_text(json.dumps(record, indent=2) + "\n")
   print(f"\nWrote {path}")

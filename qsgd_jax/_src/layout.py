@@ -102,9 +102,9 @@ def split(plan: ReductionPlan, blocks: list[jax.Array], length=None) -> list[jax
 def _pad_end(vector: jax.Array, size: int) -> jax.Array:
   """``vector`` zero-padded to ``size`` elements, as a concatenation.
 
-  XLA merges a concatenation into the one that made ``vector`` (the
-  segment's leaves end to end), where it copies a padded ``vector`` out
-  once more in full.
+  XLA merges this concatenation into the one that made ``vector`` (the
+  segment's leaves end to end); a ``jnp.pad`` of it instead was a second
+  copy of the whole segment.
   """
   if vector.size == size:
     return vector
