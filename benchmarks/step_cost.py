@@ -12,7 +12,7 @@ default: one a core here) under ``jax.shard_map``:
    reduction.
 2. **The reduction, stage by stage**: each stage of the two-phase
    ``quantized_pmean`` compiled and timed alone on the inputs it really gets
-   (the leaves laid out in the plan's blocks; the encode; the payloads to
+   (the encode, which reads the leaves where they lie; the payloads to
    ``uint32`` rows; the all-to-all; the decode of the received pieces; their
    sum; the re-encode of the owned sums; the all-gather; the decode of every
    owner's sums; the blocks back into leaves), next to the whole reduction.
@@ -192,11 +192,10 @@ def stages(setup: Setup, repeats: int) -> dict:
   compressor = plan.compressor
   first = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
 
-  def laid_out(tree):
-    return layout.join(plan, layout.segment_vectors(plan, jax.tree.leaves(first(tree))))
-
-  def encode(blocks):
-    return exchange.encode_blocks(compressor, KEY, [b[0] for b in blocks], batch_dims=2)
+  def encode(tree):
+    leaves = jax.tree.leaves(first(tree))
+    return exchange.encode_block_parts(
+        compressor, KEY, layout.block_parts(plan, layout.segment_parts(plan, leaves)))
 
   def to_rows(payloads):
     return jnp.concatenate([exchange.device_rows(p, n) for p in first(payloads)], axis=1)
@@ -225,7 +224,7 @@ def stages(setup: Setup, repeats: int) -> dict:
     return layout.segment_leaves(plan, layout.split(plan, [jnp.swapaxes(g, 0, 1)
                                                            for g in first(gathered)]))
 
-  pipeline = [("layout", laid_out), ("encode", encode), ("serialize", to_rows),
+  pipeline = [("encode", encode), ("serialize", to_rows),
               ("all-to-all", all_to_all), ("decode received", decode_received),
               ("sum", sum_pieces), ("re-encode", re_encode), ("all-gather", all_gather),
               ("decode gathered", decode_gathered), ("to leaves", to_leaves)]

@@ -4,6 +4,7 @@ import abc
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,24 @@ class Compressor(abc.ABC):
   @abc.abstractmethod
   def decode(self, payload: Payload) -> jax.Array:
     """Reconstructs an array of ``payload.shape`` and ``payload.dtype``."""
+
+  def encode_concatenated(self, key: jax.Array, parts: Sequence[jax.Array]) -> Payload:
+    """``encode(key, jnp.concatenate(parts))``, bit for bit, from the parts.
+
+    A two-phase sum quantizes pieces that span several leaves of a tree;
+    encoding the leaves' rows where they lie, rather than writing them out
+    end to end first, saves a pass over the whole gradient. This default
+    writes the concatenation out; a compressor whose payload of runs laid end
+    to end is their payloads end to end overrides it.
+
+    Args:
+      key: a PRNG key, as for ``encode``.
+      parts: float arrays of one dtype, alike but in their first axis.
+
+    Returns:
+      The :class:`Payload` of ``encode(key, jnp.concatenate(parts))``.
+    """
+    return self.encode(key, parts[0] if len(parts) == 1 else jnp.concatenate(parts))
 
   def bucket_length(self, shape: tuple[int, ...]) -> int | None:
     """How many consecutive elements of an array of ``shape`` share their scales.
@@ -278,6 +297,37 @@ def bucket_parts(
   start = whole * bucket_len
   last = jnp.pad(flat[start:], (0, bucket_len - short), mode=mode)[None]
   return [(flat[:start].reshape(whole, bucket_len), 0, start), (last, start, short)]
+
+
+def concatenated_parts(
+    parts: Sequence[jax.Array], bucket_len: int, num_bits: int
+) -> list[tuple[jax.Array, int, int]] | None:
+  """The buckets of ``parts`` laid end to end, as :func:`bucket_parts` gives them, in place.
+
+  For ``encode_concatenated``: each part is whole buckets already, and its
+  codes packed one after the other fill whole ``uint32`` words (all but the
+  last part's), so each part's words follow the previous part's as the
+  concatenation's would.
+
+  Args:
+    parts: float32 ``[num_buckets, bucket_len]`` each.
+    bucket_len: the concatenation's bucket length.
+    num_bits: bits a code.
+
+  Returns:
+    ``(buckets, start, size)`` for each part, as from :func:`bucket_parts`;
+    ``None`` if a part is not whole buckets or not whole words (the caller
+    then encodes the concatenation).
+  """
+  out, start = [], 0
+  for k, part in enumerate(parts):
+    if part.ndim != 2 or part.shape[1] != bucket_len:
+      return None
+    if k < len(parts) - 1 and part.size * num_bits % 32:
+      return None
+    out.append((part, start, part.size))
+    start += part.size
+  return out
 
 
 def bucket_parts_with_scales(

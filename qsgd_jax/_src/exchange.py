@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from qsgd_jax._src import base, serialize
+from qsgd_jax._src import base, layout, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
@@ -30,11 +30,51 @@ def encode_blocks(compressor: base.Compressor, key: jax.Array, blocks: Sequence[
   Returns:
     One batched :class:`~qsgd_jax.Payload` a block.
   """
+  return [_encode_batched(compressor, jax.random.fold_in(key, g), block, batch_dims)
+          for g, block in enumerate(blocks)]
+
+
+def _encode_batched(compressor: base.Compressor, key: jax.Array, block: jax.Array,
+                    batch_dims: int) -> base.Payload:
+  """One block's encode: ``key`` split over its ``batch_dims`` leading axes."""
   encode = compressor.encode
   for _ in range(batch_dims):
     encode = jax.vmap(encode)
-  return [encode(jax.random.split(jax.random.fold_in(key, g), block.shape[:batch_dims]), block)
-          for g, block in enumerate(blocks)]
+  return encode(jax.random.split(key, block.shape[:batch_dims]), block)
+
+
+def encode_block_parts(compressor: base.Compressor, key: jax.Array,
+                       blocks: Sequence[layout.BlockParts]) -> list[base.Payload]:
+  """:func:`encode_blocks` of the blocks written out (``batch_dims=2``), bit for bit.
+
+  A block of one batch element, a segment of runs, is encoded piece by piece
+  from its parts (``Compressor.encode_concatenated``): the leaves are read
+  where they lie. A block already written out, or batching several
+  segments, is encoded in one batched encode.
+  """
+  payloads = []
+  for g, block in enumerate(blocks):
+    block_key = jax.random.fold_in(key, g)
+    if block.written is not None or block.batch > 1:
+      payloads.append(_encode_batched(compressor, block_key, layout.materialize(block), 2))
+      continue
+    keys = jax.random.split(block_key, (1, block.rows))
+    pieces = [compressor.encode_concatenated(keys[0, j], parts)
+              for j, parts in enumerate(block.parts[0])]
+    payloads.append(jax.tree.map(_stack_flat, *pieces))
+  return payloads
+
+
+def _stack_flat(*fields: jax.Array) -> jax.Array:
+  """``jnp.stack(fields)[None]``, as a concatenation of the flattened fields.
+
+  XLA on CPU fuses the computations of a few arrays into their stacking along
+  a leading axis, computing every element behind a branch on which array it
+  belongs to, without vector instructions (here: the encodes of the pieces,
+  several times slower); a concatenation along the last axis is a copy.
+  """
+  return jnp.concatenate([f.reshape(-1) for f in fields]).reshape(1, len(fields),
+                                                                  *fields[0].shape)
 
 
 def decode_blocks(compressor: base.Compressor, payloads: Sequence[base.Payload],

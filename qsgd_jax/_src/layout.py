@@ -6,14 +6,139 @@ whole runs, end to end (for the reduce-scatter: ``n`` rows, row ``j`` holding
 shard ``j`` of each leaf); a block stacks segments as ``[batch, rows,
 *element_shape]``, row ``j`` of a two-phase block being the piece for device
 ``j``.
+
+A block can also stay unwritten, as :class:`BlockParts`: each of its elements
+as the slices of the leaves (and the zeros) it is made of, so that an encode
+reads the leaves where they lie (``Compressor.encode_concatenated``) rather
+than after a copy of the whole gradient laid end to end.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from qsgd_jax._src import axes as axes_lib
 from qsgd_jax._src.plan import REDUCE_SCATTER, ReductionPlan
+
+
+class BlockParts(NamedTuple):
+  """A block, ``[batch, rows, *element_shape]``, as the arrays each element is made of.
+
+  Attributes:
+    parts: ``parts[b][j]`` are arrays alike but in their first axis whose
+      concatenation along it is element ``(b, j)``: slices of the leaves and
+      zeros for the padding (``None`` when ``written`` is given).
+    written: the block already written out, from :func:`join`, or ``None``.
+  """
+
+  parts: tuple[tuple[tuple[jax.Array, ...], ...], ...] | None
+  written: jax.Array | None = None
+
+  @property
+  def batch(self) -> int:
+    return len(self.parts) if self.written is None else self.written.shape[0]
+
+  @property
+  def rows(self) -> int:
+    return len(self.parts[0]) if self.written is None else self.written.shape[1]
+
+
+def segment_parts(plan: ReductionPlan, leaves: list[jax.Array]) -> list[tuple[jax.Array, ...]]:
+  """Each segment as its leaves where they lie: arrays whose concatenation is the segment.
+
+  In a segment of runs a leaf is its whole runs, ``float32[num_runs, run]`` (a
+  view of the leaf), then its short last run zero-padded, ``[1, run]``; a leaf
+  with one scale is its elements, ``float32[size]``. The segment's padding
+  at the end is left out (:func:`block_parts` adds it).
+  """
+  if plan.method == REDUCE_SCATTER:
+    raise ValueError("A reduce-scatter segment holds shards of its leaves: use segment_vectors.")
+  out = []
+  for segment in plan.segments:
+    parts = []
+    for i in segment.leaves:
+      flat = leaves[i].astype(jnp.float32).reshape(-1)
+      parts.extend([flat] if segment.run is None else _runs(flat, segment.run))
+    out.append(tuple(parts))
+  return out
+
+
+def _runs(flat: jax.Array, run: int) -> list[jax.Array]:
+  """``flat``'s whole runs, ``[num_runs, run]``, then its short last run zero-padded."""
+  whole, short = divmod(flat.size, run)
+  parts = [flat[: whole * run].reshape(whole, run)] if whole else []
+  if short:
+    parts.append(jnp.pad(flat[whole * run:], (0, run - short))[None])
+  return parts
+
+
+def block_parts(plan: ReductionPlan, segments: list[tuple[jax.Array, ...]]) -> list[BlockParts]:
+  """Each block of the plan, laid out as :func:`join` lays it, from each segment's parts."""
+  out = []
+  for block in plan.blocks:
+    length, row_shape = block.element_shape[0], block.element_shape[1:]
+    out.append(BlockParts(tuple(
+        tuple(_cut(segments[k], j * length, (j + 1) * length, row_shape)
+              for j in range(block.rows))
+        for k in block.segments)))
+  return out
+
+
+def _cut(parts: tuple[jax.Array, ...], start: int, stop: int,
+         row_shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """Rows ``[start, stop)`` of ``parts`` end to end along their first axis, zeros past their end."""
+  out, offset = [], 0
+  for part in parts:
+    low, high = max(start, offset), min(stop, offset + part.shape[0])
+    if low < high:
+      out.append(jax.lax.slice_in_dim(part, low - offset, high - offset))
+    offset += part.shape[0]
+  if stop > max(start, offset):
+    out.append(jnp.zeros((stop - max(start, offset), *row_shape), jnp.float32))
+  return tuple(out)
+
+
+def written_blocks(plan: ReductionPlan, vectors: list[jax.Array]) -> list[BlockParts]:
+  """Each block written out (:func:`join`) from each segment's vector, as :class:`BlockParts`."""
+  return [BlockParts(None, block) for block in join(plan, vectors)]
+
+
+def materialize(block: BlockParts) -> jax.Array:
+  """The block written out, ``[batch, rows, *element_shape]``."""
+  if block.written is not None:
+    return block.written
+  return jnp.stack([jnp.stack([_concatenate(parts) for parts in row]) for row in block.parts])
+
+
+def piece(block: BlockParts, index: jax.Array) -> jax.Array:
+  """Row ``index`` of every batch element, ``[batch, *element_shape]``, for a traced ``index``.
+
+  Only that row is written out: a ``switch`` over the rows, each branch the
+  concatenation of its own parts. Under ``jax.shard_map`` every branch is
+  typed varying over the axes any part varies over (a row of padding alone
+  varies over none).
+  """
+  if block.written is not None:
+    return jax.lax.dynamic_index_in_dim(block.written, index, axis=1, keepdims=False)
+  varying = sorted({name for row in block.parts for parts in row for part in parts
+                    for name in _varying_axes(part)})
+
+  def branch(j):
+    out = jnp.stack([_concatenate(row[j]) for row in block.parts])
+    return axes_lib.as_varying(out, tuple(varying)) if varying else out
+
+  return jax.lax.switch(index, [lambda j=j: branch(j) for j in range(block.rows)])
+
+
+def _varying_axes(x: jax.Array) -> tuple[str, ...]:
+  manual = jax.typeof(x).manual_axis_type
+  return () if manual is None else tuple(manual.varying)
+
+
+def _concatenate(parts: tuple[jax.Array, ...]) -> jax.Array:
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def segment_vectors(plan: ReductionPlan, leaves: list[jax.Array]) -> list[jax.Array]:

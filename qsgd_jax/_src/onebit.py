@@ -73,22 +73,17 @@ class OneBit(base.Compressor):
     del key  # Deterministic.
     dtype = jnp.asarray(x).dtype
     x = base.as_float32(x, "OneBit.encode")
-    flat = x.reshape(-1)
-    bucket_len = self._bucket_len(x.shape)
-    words, scales = [], []
-    for buckets, _, size in base.bucket_parts(flat, bucket_len, num_bits=1):
-      # Elements a bucket (the last one may be short), static.
-      sizes = np.full(buckets.shape[0], bucket_len, np.int32)
-      if size:
-        sizes[-1] = size - (buckets.shape[0] - 1) * bucket_len
-      words.append(packing.pack_prefix((buckets < 0).astype(jnp.uint32), size, 1))
-      scales.append(_side_means(buckets, sizes))
-    return base.Payload(
-        packed=jnp.concatenate(words),
-        scales=jnp.concatenate(scales),
-        shape=x.shape,
-        dtype=dtype,
-    )
+    parts = base.bucket_parts(x.reshape(-1), self._bucket_len(x.shape), num_bits=1)
+    return _pack(parts, x.shape, dtype)
+
+  def encode_concatenated(self, key: jax.Array, parts) -> base.Payload:
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    buckets = base.concatenated_parts(
+        [base.as_float32(part, "OneBit.encode_concatenated") for part in parts],
+        self._bucket_len(shape), 1)
+    if buckets is None:
+      return super().encode_concatenated(key, parts)
+    return _pack(buckets, shape, parts[0].dtype)
 
   def decode(self, payload: base.Payload) -> jax.Array:
     size = math.prod(payload.shape)
@@ -96,6 +91,22 @@ class OneBit(base.Compressor):
     negative = base.to_buckets(negative, self._bucket_len(payload.shape))
     values = jnp.where(negative, payload.scales[:, 1:], payload.scales[:, :1])
     return base.from_buckets(values, payload.shape).astype(payload.dtype)
+
+
+def _pack(parts, shape: tuple[int, ...], dtype) -> base.Payload:
+  """The payload of ``parts``, ``(buckets, start, size)`` each as from
+  :func:`base.bucket_parts`, end to end."""
+  words, scales = [], []
+  for buckets, _, size in parts:
+    bucket_len = buckets.shape[1]
+    # Elements a bucket (the last one may be short), static.
+    sizes = np.full(buckets.shape[0], bucket_len, np.int32)
+    if size:
+      sizes[-1] = size - (buckets.shape[0] - 1) * bucket_len
+    words.append(packing.pack_prefix((buckets < 0).astype(jnp.uint32), size, 1))
+    scales.append(_side_means(buckets, sizes))
+  return base.Payload(packed=jnp.concatenate(words), scales=jnp.concatenate(scales),
+                      shape=shape, dtype=dtype)
 
 
 def _side_means(buckets: jax.Array, sizes: np.ndarray) -> jax.Array:

@@ -125,12 +125,13 @@ class QSGD(base.FixedBuckets, base.SharedScaleCompressor):
   def local_scales(self, x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
     parts = self._parts(base.as_float32(x, "QSGD.local_scales"))
+    return jnp.concatenate([self._bucket_scales(buckets, x.dtype) for buckets, _, _ in parts])
+
+  def _bucket_scales(self, buckets: jax.Array, dtype) -> jax.Array:
+    """``float32[num_buckets, 1]``: each bucket's norm, for an input of ``dtype``."""
     if self.norm == "max":
-      scales = [base.bucket_max_abs(buckets) for buckets, _, _ in parts]
-    else:
-      largest = float(jnp.finfo(x.dtype).max)
-      scales = [_l2_norms(buckets, largest) for buckets, _, _ in parts]
-    return jnp.concatenate(scales)[:, None]
+      return base.bucket_max_abs(buckets)[:, None]
+    return _l2_norms(buckets, float(jnp.finfo(dtype).max))[:, None]
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
@@ -180,16 +181,31 @@ class QSGD(base.FixedBuckets, base.SharedScaleCompressor):
     dtype = jnp.asarray(x).dtype
     scales = self.local_scales(x)
     x = base.as_float32(x, "QSGD.encode")
+    return self._pack(key, self._parts_and_scales(x, scales, self.bits), scales, x.shape, dtype)
+
+  def encode_concatenated(self, key: jax.Array, parts) -> base.Payload:
+    dtype = parts[0].dtype
+    size = sum(part.size for part in parts)
+    buckets = base.concatenated_parts(
+        [base.as_float32(part, "QSGD.encode_concatenated") for part in parts],
+        self._bucket_len(size), self.bits)
+    if buckets is None:
+      return super().encode_concatenated(key, parts)
+    scales = [self._bucket_scales(b, dtype) for b, _, _ in buckets]
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    return self._pack(key, [(*b, s) for b, s in zip(buckets, scales, strict=True)],
+                      jnp.concatenate(scales), shape, dtype)
+
+  def _pack(self, key: jax.Array, parts, scales: jax.Array, shape, dtype) -> base.Payload:
+    """The payload of ``parts``, ``(buckets, start, size, part_scales)`` each, end to end."""
     words = []
-    for buckets, start, size, part_scales in self._parts_and_scales(x, scales, self.bits):
+    for buckets, start, size, part_scales in parts:
       level = self._bucket_levels(key, buckets, part_scales, start)
       # The sign bit is x's own (a negative value whose level is 0 keeps it:
       # it decodes to 0 all the same).
       sign = (jax.lax.bitcast_convert_type(buckets, jnp.uint32) >> 31) << (self.bits - 1)
       words.append(packing.pack_prefix(sign | level.astype(jnp.uint32), size, self.bits))
-    return base.Payload(
-        packed=jnp.concatenate(words), scales=scales, shape=x.shape, dtype=dtype
-    )
+    return base.Payload(packed=jnp.concatenate(words), scales=scales, shape=shape, dtype=dtype)
 
   def _dequantize(self, levels: jax.Array, scales: jax.Array, shape) -> jax.Array:
     """``levels * step``, computed on the normalized scale and scaled back.

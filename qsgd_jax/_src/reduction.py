@@ -5,7 +5,8 @@ The steps, each a few lines here, the algorithms in their own modules:
 1. the leaves the plan sends in float32 are summed by one fused ``psum``;
 2. the others are laid end to end in the plan's segments (float32, padded)
    and, with inner axes, reduce-scattered over them in float32 (all segments
-   in one collective);
+   in one collective); the two-phase method over one axis with nothing to
+   add reads them where they lie instead (:func:`layout.segment_parts`);
 3. each device adds its error-feedback residual to what it will quantize;
 4. the outer axis's quantized sum: :mod:`two_phase`, :mod:`shared_scale` or
    :mod:`all_gather`;
@@ -102,18 +103,20 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
       out[i] = (value / divisor if mean else value).astype(leaves[i].dtype)
 
   if plan.compressed:
-    vectors = layout.segment_vectors(plan, leaves)
-    if axes.inner:
-      vectors = _reduce_scatter(vectors, plan.inner_size, axes.inner)
-    if local_error is not None:
-      vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
+    vectors = None
+    if plan.method != "two_phase" or axes.is_local or axes.inner or local_error is not None:
+      vectors = layout.segment_vectors(plan, leaves)
+      if axes.inner:
+        vectors = _reduce_scatter(vectors, plan.inner_size, axes.inner)
+      if local_error is not None:
+        vectors = [v + e for v, e in zip(vectors, local_error, strict=True)]
     key = base.as_key(key)
     if axes.is_local:
       results, sent_error = _roundtrip(plan, vectors, key, want_local_error)
     else:
       key = jax.random.fold_in(key, jax.lax.axis_index(axes.names))
       results, sent_error, new_owner_error, payloads = _outer_sum(
-          plan, vectors, key, divisor, owner_error, want_local_error)
+          plan, leaves, vectors, key, divisor, owner_error, want_local_error)
     if axes.inner:
       results = _all_gather_flat(results, axes.inner)
     for i, value in layout.segment_leaves(plan, results).items():
@@ -162,7 +165,8 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   if plan.compressed:
     vectors = layout.segment_vectors(plan, leaves)
     key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axis))
-    first = scatter_phase(plan, layout.join(plan, vectors), key, want_sent_error=False)
+    first = scatter_phase(plan, layout.written_blocks(plan, vectors), key,
+                          want_sent_error=False)
     rows = layout.split(plan, first.owned, length=lambda segment: segment.length // n)
     for i, shard in layout.segment_leaves(plan, rows).items():
       out[i] = shard.astype(leaves[i].dtype)
@@ -172,14 +176,22 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
       payloads=payloads)
 
 
-def _outer_sum(plan: ReductionPlan, vectors, key, divisor, owner_error, want_sent_error):
+def _outer_sum(plan: ReductionPlan, leaves, vectors, key, divisor, owner_error,
+               want_sent_error):
   """The quantized sum over the outer axis, by the plan's method.
+
+  The segments are ``vectors``, or when that is ``None`` (the two-phase
+  method only) the compressed ``leaves`` where they lie.
 
   Returns ``(results, sent_error, owner_error, payloads)``.
   """
   if plan.method == "two_phase":
-    out = two_phase_sum(plan, vectors, key, divisor=divisor, owner_error=owner_error,
-                        want_sent_error=want_sent_error)
+    if vectors is None:
+      blocks = layout.block_parts(plan, layout.segment_parts(plan, leaves))
+    else:
+      blocks = layout.written_blocks(plan, vectors)
+    out = two_phase_sum(plan, blocks, key, divisor=divisor,
+                        owner_error=owner_error, want_sent_error=want_sent_error)
     payloads = {"first phase": tuple(out.first_phase), "second phase": tuple(out.second_phase)}
     return out.results, out.sent_error, out.owner_error, payloads
   if plan.method == "all_gather":

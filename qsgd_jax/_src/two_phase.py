@@ -2,10 +2,11 @@
 
 CNTK's stripes, QSGD-TF's two rounds, CGX's scatter-reduce-allgather. With
 ``n`` devices, each device cuts every segment it quantizes into ``n`` pieces
-of whole buckets (the plan's blocks, ``[batch, n, ...]``) and encodes them.
-One ``all_to_all`` sends piece ``j`` to device ``j``, which decodes the
-``n - 1`` pieces it received, adds its own piece ``j`` unquantized (it never
-crossed the wire, so nothing of it need be lost, as in QSGD-TF), sums in
+of whole buckets (the plan's blocks, ``[batch, n, ...]``) and encodes them,
+reading the leaves where they lie when it has nothing to add to them. One
+``all_to_all`` sends piece ``j`` to device ``j``, which decodes the ``n - 1``
+pieces it received, adds its own piece ``j`` unquantized (it never crossed
+the wire, so nothing of it need be lost, as in QSGD-TF), sums in
 float32 (divided by the divisor for a mean), and encodes that sum with fresh
 randomness; one ``all_gather`` gives every device every owner's sum, and
 every device decodes the same gathered bytes, so the result is bit-identical
@@ -53,14 +54,16 @@ class TwoPhaseOutput(NamedTuple):
   second_phase: list[base.Payload]
 
 
-def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array, *,
+def two_phase_sum(plan: ReductionPlan, blocks: list[layout.BlockParts], key: jax.Array, *,
                   divisor: int, owner_error: tuple[jax.Array, ...] | None,
                   want_sent_error: bool) -> TwoPhaseOutput:
-  """Sums ``vectors`` over the plan's outer axis by the two-phase method.
+  """Sums the plan's blocks over its outer axis by the two-phase method.
 
   Args:
     plan: the reduction's plan, ``method="two_phase"``.
-    vectors: for each segment, ``float32[length]``.
+    blocks: for each block, ``[batch, n, ...]`` as its parts
+      (:func:`layout.block_parts`) or written out
+      (:func:`layout.written_blocks`): row ``j`` goes to device ``j``.
     key: this device's PRNG key (already folded with its axis index).
     divisor: the sum of the pieces is divided by it before re-quantizing.
     owner_error: for each block, ``float32[batch, *element_shape]``, added to
@@ -73,7 +76,6 @@ def two_phase_sum(plan: ReductionPlan, vectors: list[jax.Array], key: jax.Array,
   compressor, axis = plan.compressor, plan.axes.outer
   index = jax.lax.axis_index(axis)
   send_key, gather_key = jax.random.split(key)
-  blocks = layout.join(plan, vectors)  # [batch, n, ...]: row j goes to device j.
 
   # Phase 1: piece j goes to device j, which adds its own piece as it is.
   first = scatter_phase(plan, blocks, send_key, want_sent_error)
@@ -117,7 +119,7 @@ class ScatterPhase(NamedTuple):
   payloads: list[base.Payload]
 
 
-def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
+def scatter_phase(plan: ReductionPlan, blocks: list[layout.BlockParts], key: jax.Array,
                   want_sent_error: bool) -> ScatterPhase:
   """The first phase, a quantized reduce-scatter: piece ``j`` of every block to device ``j``.
 
@@ -127,7 +129,9 @@ def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
 
   Args:
     plan: the reduction's plan (two-phase or reduce-scatter).
-    blocks: ``[batch, n, *element_shape]`` a block, from :func:`layout.join`.
+    blocks: for each block, ``[batch, n, *element_shape]``, as its parts
+      (:func:`layout.block_parts`: of these only the device's own piece, and
+      with ``want_sent_error`` the whole block, is written out) or written out.
     key: this device's PRNG key for the encode.
     want_sent_error: return what the quantization dropped.
 
@@ -136,19 +140,19 @@ def scatter_phase(plan: ReductionPlan, blocks: list[jax.Array], key: jax.Array,
   """
   compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
   index = jax.lax.axis_index(axis)
-  payloads = exchange.encode_blocks(compressor, key, blocks, batch_dims=2)
+  payloads = exchange.encode_block_parts(compressor, key, blocks)
   send = jnp.concatenate([exchange.device_rows(payload, n) for payload in payloads], axis=1)
   received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
   owned = []
   for block, decoded in zip(blocks, exchange.decode_rows(plan, received), strict=True):
     if plan.exact_own_piece:
-      own = jax.lax.dynamic_index_in_dim(block, index, axis=1, keepdims=False)
+      own = layout.piece(block, index)
       decoded = jnp.where(_piece_mask(index, n, decoded.ndim, 0), own, decoded)
     owned.append(exchange.sum_rows(decoded))
   sent_error = None
   if want_sent_error:
     decoded = exchange.decode_blocks(compressor, payloads, batch_dims=2)
-    errors = [b - d for b, d in zip(blocks, decoded, strict=True)]
+    errors = [layout.materialize(b) - d for b, d in zip(blocks, decoded, strict=True)]
     if plan.exact_own_piece:
       errors = [jnp.where(_piece_mask(index, n, e.ndim, 1), 0.0, e) for e in errors]
     sent_error = layout.split(plan, errors)
