@@ -195,7 +195,7 @@ def stages(setup: Setup, repeats: int) -> dict:
   def encode(tree):
     leaves = jax.tree.leaves(first(tree))
     return exchange.encode_block_parts(
-        compressor, KEY, layout.block_parts(plan, layout.segment_parts(plan, leaves)))
+        compressor, KEY, layout.block_parts(plan, layout.segment_parts(plan, leaves))).payloads
 
   def to_rows(payloads):
     return jnp.concatenate([exchange.device_rows(p, n) for p in first(payloads)], axis=1)

@@ -300,7 +300,9 @@ def test_block_parts_are_the_blocks_join_writes_out(compressor):
     np.testing.assert_array_equal(layout.materialize(in_parts), block)
     for j in (0, 5, 7):
       np.testing.assert_array_equal(layout.piece(in_parts, jnp.int32(j)), block[:, j])
-  from_parts = exchange.encode_block_parts(compressor, KEY, parts)
+  from_parts, rows = exchange.encode_block_parts(compressor, KEY, parts)
+  np.testing.assert_array_equal(
+      rows, jnp.concatenate([exchange.device_rows(p, 8) for p in from_parts], axis=1))
   from_written = exchange.encode_blocks(compressor, KEY, written, batch_dims=2)
   for a, b in zip(jax.tree.leaves(from_parts), jax.tree.leaves(from_written), strict=True):
     np.testing.assert_array_equal(a, b)

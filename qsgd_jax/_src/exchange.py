@@ -9,6 +9,7 @@ every device.
 """
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,26 +44,42 @@ def _encode_batched(compressor: base.Compressor, key: jax.Array, block: jax.Arra
   return encode(jax.random.split(key, block.shape[:batch_dims]), block)
 
 
+class Sent(NamedTuple):
+  """What :func:`encode_block_parts` returns.
+
+  Attributes:
+    payloads: for each block, its batched payloads, ``[batch, rows, ...]``.
+    rows: ``uint32[rows, words]``: :func:`device_rows` of every block's
+      payloads, side by side (row ``j`` goes to device ``j``).
+  """
+
+  payloads: list[base.Payload]
+  rows: jax.Array
+
+
 def encode_block_parts(compressor: base.Compressor, key: jax.Array,
-                       blocks: Sequence[layout.BlockParts]) -> list[base.Payload]:
+                       blocks: Sequence[layout.BlockParts]) -> Sent:
   """:func:`encode_blocks` of the blocks written out (``batch_dims=2``), bit for bit.
 
   A block of one batch element, a segment of runs, is encoded piece by piece
   from its parts (``Compressor.encode_concatenated``): the leaves are read
-  where they lie. A block already written out, or batching several
-  segments, is encoded in one batched encode.
+  where they lie, and the pieces' words go straight into the rows sent, one
+  copy of the packed codes. A block already written out, or batching
+  several segments, is encoded in one batched encode.
   """
-  payloads = []
+  payloads, rows = [], []
   for g, block in enumerate(blocks):
     block_key = jax.random.fold_in(key, g)
     if block.written is not None or block.batch > 1:
       payloads.append(_encode_batched(compressor, block_key, layout.materialize(block), 2))
+      rows.append(device_rows(payloads[-1], block.rows))
       continue
     keys = jax.random.split(block_key, (1, block.rows))
     pieces = [compressor.encode_concatenated(keys[0, j], parts)
               for j, parts in enumerate(block.parts[0])]
     payloads.append(jax.tree.map(_stack_flat, *pieces))
-  return payloads
+    rows.append(jnp.concatenate([serialize.to_words(p) for p in pieces]).reshape(block.rows, -1))
+  return Sent(payloads, rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1))
 
 
 def _stack_flat(*fields: jax.Array) -> jax.Array:

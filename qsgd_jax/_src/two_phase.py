@@ -140,8 +140,7 @@ def scatter_phase(plan: ReductionPlan, blocks: list[layout.BlockParts], key: jax
   """
   compressor, axis, n = plan.compressor, plan.axes.outer, plan.outer_size
   index = jax.lax.axis_index(axis)
-  payloads = exchange.encode_block_parts(compressor, key, blocks)
-  send = jnp.concatenate([exchange.device_rows(payload, n) for payload in payloads], axis=1)
+  payloads, send = exchange.encode_block_parts(compressor, key, blocks)
   received = jax.lax.all_to_all(axes_lib.as_varying(send, axis), axis, 0, 0, tiled=False)
   owned = []
   for block, decoded in zip(blocks, exchange.decode_rows(plan, received), strict=True):
