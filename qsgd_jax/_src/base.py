@@ -123,6 +123,30 @@ class FixedBuckets:
     return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
 
 
+class PackedBuckets(FixedBuckets):
+  """For a compressor whose payload is each bucket's scales and its ``bits``-bit codes, packed.
+
+  ``encode_concatenated`` then encodes each part in place, where the parts
+  are whole buckets whose codes fill whole words: the scales of each part's
+  buckets, and its codes packed after the previous part's, with the random
+  draws the concatenation would get. Subclasses give ``_bucket_scales``
+  and ``_pack``, which ``encode`` uses too. Mixed in before the compressor's
+  base class.
+  """
+
+  def encode_concatenated(self, key: jax.Array, parts: Sequence[jax.Array]) -> Payload:
+    owner = f"{type(self).__name__}.encode_concatenated"
+    dtype = parts[0].dtype
+    buckets = concatenated_parts([as_float32(part, owner) for part in parts],
+                                 self._bucket_len(sum(part.size for part in parts)), self.bits)
+    if buckets is None:
+      return super().encode_concatenated(key, parts)
+    scales = [self._bucket_scales(b, dtype) for b, _, _ in buckets]
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    return self._pack(key, [(*b, s) for b, s in zip(buckets, scales, strict=True)],
+                      jnp.concatenate(scales), shape, dtype)
+
+
 class SharedScaleCompressor(Compressor):
   """A compressor whose codes are integers against per-bucket scales.
 

@@ -14,7 +14,7 @@ _STEP_CORRECTIONS = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class MinMax(base.FixedBuckets, base.SharedScaleCompressor):
+class MinMax(base.PackedBuckets, base.SharedScaleCompressor):
   r"""Min-max quantization with ``2**bits - 1`` intervals and stochastic rounding.
 
   Each bucket's range :math:`[m, M]` (its minimum and maximum) is cut into
@@ -78,8 +78,14 @@ class MinMax(base.FixedBuckets, base.SharedScaleCompressor):
 
   def local_scales(self, x: jax.Array) -> jax.Array:
     x = base.as_float32(x, "MinMax.local_scales").reshape(-1)
-    return jnp.concatenate([_bucket_scales(buckets) for buckets, _, _ in
+    return jnp.concatenate([self._bucket_scales(buckets, x.dtype) for buckets, _, _ in
                             base.bucket_parts(x, self._bucket_len(x.size), mode="edge")])
+
+  def _bucket_scales(self, buckets: jax.Array, dtype) -> jax.Array:
+    """``float32[num_buckets, 2]``: each bucket's minimum and maximum."""
+    del dtype  # The same for every input dtype.
+    high, low = base.bucket_max_min(buckets)
+    return jnp.stack([low, high], axis=1)
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Codes in ``[0, 2**bits - 1]`` against per-bucket ``(min, max)`` ``scales``."""
@@ -147,19 +153,6 @@ class MinMax(base.FixedBuckets, base.SharedScaleCompressor):
     scales = self.local_scales(x)
     return self._pack(key, self._parts_and_scales(x, scales, self.bits), scales, x.shape, dtype)
 
-  def encode_concatenated(self, key: jax.Array, parts) -> base.Payload:
-    dtype = parts[0].dtype
-    size = sum(part.size for part in parts)
-    buckets = base.concatenated_parts(
-        [base.as_float32(part, "MinMax.encode_concatenated") for part in parts],
-        self._bucket_len(size), self.bits)
-    if buckets is None:
-      return super().encode_concatenated(key, parts)
-    scales = [_bucket_scales(b) for b, _, _ in buckets]
-    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
-    return self._pack(key, [(*b, s) for b, s in zip(buckets, scales, strict=True)],
-                      jnp.concatenate(scales), shape, dtype)
-
   def _pack(self, key: jax.Array, parts, scales: jax.Array, shape, dtype) -> base.Payload:
     """The payload of ``parts``, ``(buckets, start, size, part_scales)`` each, end to end."""
     words = [
@@ -174,9 +167,3 @@ class MinMax(base.FixedBuckets, base.SharedScaleCompressor):
     size = math.prod(payload.shape)
     codes = packing.unpack(payload.packed, size, self.bits)
     return self.decode_code_sum(codes, payload.scales, 1, payload.shape).astype(payload.dtype)
-
-
-def _bucket_scales(buckets: jax.Array) -> jax.Array:
-  """``float32[num_buckets, 2]``: each bucket's minimum and maximum."""
-  high, low = base.bucket_max_min(buckets)
-  return jnp.stack([low, high], axis=1)

@@ -32,7 +32,7 @@ class EliasSize(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD(base.FixedBuckets, base.SharedScaleCompressor):
+class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
   r"""QSGD's stochastic quantizer :math:`Q_s`, applied per bucket.
 
   A vector is cut into buckets of ``bucket_size`` consecutive coordinates
@@ -182,19 +182,6 @@ class QSGD(base.FixedBuckets, base.SharedScaleCompressor):
     scales = self.local_scales(x)
     x = base.as_float32(x, "QSGD.encode")
     return self._pack(key, self._parts_and_scales(x, scales, self.bits), scales, x.shape, dtype)
-
-  def encode_concatenated(self, key: jax.Array, parts) -> base.Payload:
-    dtype = parts[0].dtype
-    size = sum(part.size for part in parts)
-    buckets = base.concatenated_parts(
-        [base.as_float32(part, "QSGD.encode_concatenated") for part in parts],
-        self._bucket_len(size), self.bits)
-    if buckets is None:
-      return super().encode_concatenated(key, parts)
-    scales = [self._bucket_scales(b, dtype) for b, _, _ in buckets]
-    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
-    return self._pack(key, [(*b, s) for b, s in zip(buckets, scales, strict=True)],
-                      jnp.concatenate(scales), shape, dtype)
 
   def _pack(self, key: jax.Array, parts, scales: jax.Array, shape, dtype) -> base.Payload:
     """The payload of ``parts``, ``(buckets, start, size, part_scales)`` each, end to end."""
