@@ -310,7 +310,8 @@ def test_block_parts_are_the_blocks_join_writes_out(compressor):
 
 @pytest.mark.parametrize("compressor", [qsgd_jax.QSGD(bits=4), qsgd_jax.OneBit()],
                          ids=["qsgd4", "onebit"])
-def test_two_phase_sum_of_leaves_in_place_is_that_of_written_segments(compressor):
+def test_two_phase_sum_of_leaves_in_place_is_that_of_written_segments(compressor,
+                                                                       monkeypatch):
   """With nothing to add the two-phase sum encodes the leaves where they lie; adding a zero
   residual writes the segments out first. Results and payloads agree bit for bit."""
   mesh = _mesh("batch")
@@ -318,6 +319,10 @@ def test_two_phase_sum_of_leaves_in_place_is_that_of_written_segments(compressor
   reduction_plan = plan_lib.make_plan(shapes, "batch", compressor,
                                       min_compressed_size=_MIN_COMPRESSED,
                                       axis_sizes={"batch": 8})
+  assert not reduction._reads_leaves_in_place(reduction_plan, None)  # Too small to pay.
+  monkeypatch.setattr(reduction, "IN_PLACE_MIN_ELEMENTS", 0)
+  assert reduction._reads_leaves_in_place(reduction_plan, None)
+  assert not reduction._reads_leaves_in_place(reduction_plan, ())  # A residual to add.
   zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in reduction_plan.local_error_shapes())
 
   def both(tree):

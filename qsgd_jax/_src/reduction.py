@@ -6,7 +6,8 @@ The steps, each a few lines here, the algorithms in their own modules:
 2. the others are laid end to end in the plan's segments (float32, padded)
    and, with inner axes, reduce-scattered over them in float32 (all segments
    in one collective); the two-phase method over one axis with nothing to
-   add reads them where they lie instead (:func:`layout.segment_parts`);
+   add reads them where they lie instead (:func:`layout.segment_parts`),
+   from :data:`IN_PLACE_MIN_ELEMENTS` compressed elements on;
 3. each device adds its error-feedback residual to what it will quantize;
 4. the outer axis's quantized sum: :mod:`two_phase`, :mod:`shared_scale` or
    :mod:`all_gather`;
@@ -104,7 +105,7 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
 
   if plan.compressed:
     vectors = None
-    if plan.method != "two_phase" or axes.is_local or axes.inner or local_error is not None:
+    if not _reads_leaves_in_place(plan, local_error):
       vectors = layout.segment_vectors(plan, leaves)
       if axes.inner:
         vectors = _reduce_scatter(vectors, plan.inner_size, axes.inner)
@@ -128,6 +129,23 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
       owner_error=None if new_owner_error is None else tuple(new_owner_error),
       payloads=payloads,
   )
+
+
+# The two-phase method reads the leaves in place (a kernel a leaf and piece)
+# from this many compressed elements on; below it, it copies them end to end
+# first (a few kernels in all). The copy of a segment this size costs about a
+# millisecond a step on a CPU core; each kernel more, tens of milliseconds of
+# compile time, which small trees, and a test suite of them, would pay many
+# times over.
+IN_PLACE_MIN_ELEMENTS = 1 << 20
+
+
+def _reads_leaves_in_place(plan: ReductionPlan, local_error) -> bool:
+  """Whether the compressed leaves are encoded where they lie (two-phase, one axis, no residual)."""
+  axes = plan.axes
+  return (plan.method == "two_phase" and not axes.is_local and not axes.inner
+          and local_error is None
+          and sum(segment.length for segment in plan.segments) >= IN_PLACE_MIN_ELEMENTS)
 
 
 def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
