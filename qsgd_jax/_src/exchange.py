@@ -1,7 +1,8 @@
 """The steps the quantized sums share: payload blocks to ``uint32`` rows and back, row sums.
 
 Each block of a plan is encoded by one batched encode (:func:`encode_blocks`),
-every element under its own key; its payloads travel as words:
+every element under its own key, or piece by piece from the leaves where they
+lie (:func:`encode_block_parts`, the same payloads); its payloads travel as words:
 :func:`device_rows` lays out what a device sends (row ``j`` for device ``j``),
 :func:`payload_rows` reads ``n`` devices' rows of every block's words back into
 payloads, and :func:`sum_rows` adds decoded rows in a fixed order, the same on
