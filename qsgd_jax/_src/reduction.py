@@ -131,12 +131,13 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   )
 
 
-# The two-phase method reads the leaves in place (a kernel a leaf and piece)
-# from this many compressed elements on; below it, it copies them end to end
-# first (a few kernels in all). The copy of a segment this size costs about a
-# millisecond a step on a CPU core; each kernel more, tens of milliseconds of
-# compile time, which small trees, and a test suite of them, would pay many
-# times over.
+# The two-phase method reads the leaves in place (a scales and a quantize
+# kernel a leaf and piece) from this many compressed elements on; below it,
+# it copies them end to end first (a few kernels in all). The copy of a
+# segment this size costs about a millisecond a step on a CPU core, while the
+# extra kernels doubled compile time (ResNet-50 at 1/8 width, 8 CPU devices:
+# 5.0 s against 2.5 s), which small trees, and a test suite of them, would
+# pay many times over.
 IN_PLACE_MIN_ELEMENTS = 1 << 20
 
 
