@@ -336,6 +336,33 @@ def test_encode_concatenated_is_the_encode_of_the_concatenation(name, dtype):
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_encoded_all_finite_says_whether_the_input_was(name, dtype):
+  """Exactly, for the compressors whose scales tell, at the dtype's largest values too."""
+  compressor = COMPRESSORS[name]
+  largest = float(jnp.finfo(dtype).max)  # Finite; its square and sums of it are not.
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(7, 150)), dtype).at[0, :3].set(largest)
+  cases = {"finite": x, "nan": x.at[6, 149].set(np.nan), "inf": x.at[2, 0].set(np.inf),
+           "-inf": x.at[4, 77].set(-np.inf), "all -largest": jnp.full_like(x, -largest)}
+  tells = jax.eval_shape(
+      lambda: compressor.encoded_all_finite(compressor.encode(KEYS[0], x))) is not None
+  assert tells == isinstance(compressor, (qsgd_jax.QSGD, qsgd_jax.MinMax))
+  if not tells:
+    return
+
+  @jax.jit
+  def found(value):
+    payloads = (compressor.encode(KEYS[0], value),
+                compressor.encode_concatenated(KEYS[0], [value[:4], value[4:]]),
+                jax.vmap(compressor.encode)(KEYS[:2], jnp.stack([x, value])))
+    return [compressor.encoded_all_finite(p) for p in payloads]
+
+  for case, value in cases.items():
+    expected = case in ("finite", "all -largest")
+    assert [bool(f) for f in found(value)] == [expected] * 3, case
+
+
 def _expected_payload_bytes(compressor, shape, dtype=np.float32) -> int:
   """``ceil(n * bits / 32)`` words and 4 bytes a scale a bucket; the baselines' values."""
   n = math.prod(shape)

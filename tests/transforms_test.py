@@ -280,6 +280,24 @@ def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
   assert_replicas_identical(params)
 
 
+def test_a_residual_overflowing_finite_updates_is_not_a_nonfinite_step():
+  # QSGD's scales tell a step that its updates are finite. Device 3's scales
+  # are inf here while its updates are not: the step reads them and goes on.
+  largest = float(jnp.finfo(jnp.float32).max)
+  tx = qsgd_jax.qsgd(AXIS, error_feedback="worker", axis_size=NUM_DEVICES)
+  state = jax.pmap(tx.init, axis_name=AXIS)(_stacked(_PARAMS))
+  state = state._replace(local_error=tuple(jnp.full_like(e, largest) for e in state.local_error))
+  grads = _gaussian(0)
+  grads["w"] = grads["w"].at[3].set(largest)
+  mean, new_state = jax.block_until_ready(
+      jax.pmap(tx.update, axis_name=AXIS)(_on_devices(grads), state))
+  expected_b = np.mean(np.asarray(grads["b"]), axis=0)
+  np.testing.assert_allclose(np.asarray(mean["b"]), np.broadcast_to(expected_b, (8, 128)),
+                             rtol=1e-5, atol=1e-6)
+  (old,), (new,) = host_arrays(state.local_error), host_arrays(new_state.local_error)
+  assert not np.array_equal(old[0], new[0])  # The residual moved on: the step was taken.
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None])
 def test_all_finite_finds_one_bad_element_in_any_float_leaf(dtype, bad):

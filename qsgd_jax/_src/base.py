@@ -85,6 +85,24 @@ class Compressor(abc.ABC):
     """
     return self.encode(key, parts[0] if len(parts) == 1 else jnp.concatenate(parts))
 
+  def encoded_all_finite(self, payload: Payload) -> jax.Array | None:
+    """Whether every value encoded into ``payload`` was finite, told by the payload alone.
+
+    A step must notice a NaN or inf in any device's gradient. Where the
+    payload tells, that costs a look at its scales instead of another pass
+    over the gradient.
+
+    Args:
+      payload: from ``encode`` or ``encode_concatenated``, or a stack of such
+        payloads (leading batch axes).
+
+    Returns:
+      ``bool[]``, false exactly when some encoded value was NaN or infinite;
+      or ``None`` (the default) for a compressor whose payloads cannot tell.
+    """
+    del payload
+    return None
+
   def bucket_length(self, shape: tuple[int, ...]) -> int | None:
     """How many consecutive elements of an array of ``shape`` share their scales.
 
@@ -132,7 +150,14 @@ class PackedBuckets(FixedBuckets):
   draws the concatenation would get. Subclasses give ``_bucket_scales``
   and ``_pack``, which ``encode`` uses too. Mixed in before the compressor's
   base class.
+
+  A bucket's scales must be NaN or infinite exactly when one of its values
+  is (maxima and minima of the floats' bits, :func:`bucket_max_abs` and
+  :func:`bucket_max_min`, are): ``encoded_all_finite`` reads the scales.
   """
+
+  def encoded_all_finite(self, payload: Payload) -> jax.Array:
+    return jnp.all(jnp.isfinite(payload.scales))
 
   def encode_concatenated(self, key: jax.Array, parts: Sequence[jax.Array]) -> Payload:
     owner = f"{type(self).__name__}.encode_concatenated"

@@ -131,6 +131,33 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   )
 
 
+# The payloads in which each method encodes all the values a device compresses.
+_PAYLOADS_OF_INPUTS = {"two_phase": "first phase", "all_gather": "payloads"}
+
+
+def encoded_all_finite(plan: ReductionPlan, out: Reduction) -> jax.Array | None:
+  """Whether the values this device quantized were all finite, read from the payloads it saw.
+
+  Those values are its compressed leaves, with the residual added where it
+  has one: a NaN or inf in the leaves is one there too. (The all-gather
+  method's payloads are every device's.)
+
+  Returns:
+    ``bool[]``, or ``None`` where the payloads cannot tell: nothing is
+    compressed, the method sends none (``"psum"``, one device), the values
+    quantized are sums over inner axes (a NaN in this device's leaves may be
+    quantized by another), or the compressor's payloads do not say
+    (:meth:`~qsgd_jax.Compressor.encoded_all_finite`).
+  """
+  carries = _PAYLOADS_OF_INPUTS.get(plan.method)
+  if not plan.compressed or plan.axes.inner or carries not in out.payloads:
+    return None
+  flags = [plan.compressor.encoded_all_finite(p) for p in out.payloads[carries]]
+  if any(flag is None for flag in flags):
+    return None
+  return jnp.all(jnp.stack(flags))
+
+
 # The two-phase method reads the leaves in place (a scales and a quantize
 # kernel a leaf and piece) from this many compressed elements on; below it,
 # it copies them end to end first (a few kernels in all). The copy of a

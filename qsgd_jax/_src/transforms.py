@@ -221,9 +221,9 @@ def compressed_allreduce(
           local_error=state.local_error if worker_feedback else None,
           owner_error=state.chunk_error if owner_feedback else None,
       )
-      # A NaN or inf on one device must reach every device, as through lax.pmean; the
-      # quantizers' scales need not carry it (XLA's row reductions may drop a NaN).
-      nonfinite = jnp.logical_not(_all_finite(updates)).astype(jnp.float32)
+      # A NaN or inf on one device must reach every device, as through lax.pmean.
+      nonfinite = jnp.logical_not(_updates_finite(reduction_plan, updates, out))
+      nonfinite = nonfinite.astype(jnp.float32)
       finite = (nonfinite if local else jax.lax.psum(nonfinite, axis_name)) == 0
       mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype)
                           if _is_float(x) else x, out.tree)
@@ -460,6 +460,25 @@ def _is_float0(x) -> bool:
 
 def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _updates_finite(reduction_plan: plan.ReductionPlan, updates,
+                    out: reduction.Reduction) -> jax.Array:
+  """Whether this device's ``updates`` are all finite, ``bool[]``.
+
+  Where the compressor's payloads tell (:func:`reduction.encoded_all_finite`:
+  QSGD's and MinMax's scales), the step reads them and the float32 leaves
+  rather than every update again. Payloads holding a NaN or inf almost always
+  mean updates that do, but a residual added to finite updates can overflow:
+  only then are the updates read, so the answer is always theirs.
+  """
+  encoded_finite = reduction.encoded_all_finite(reduction_plan, out)
+  if encoded_finite is None:
+    return _all_finite(updates)
+  leaves = jax.tree.leaves(updates)
+  float32_leaves = [leaves[i] for i in reduction_plan.full_precision]
+  seen_finite = encoded_finite & _all_finite(float32_leaves)
+  return jax.lax.cond(seen_finite, lambda: seen_finite, lambda: _all_finite(updates))
 
 
 def _all_finite(tree) -> jax.Array:
