@@ -294,16 +294,24 @@ def test_block_parts_are_the_blocks_join_writes_out(compressor):
   leaves = _leaves((3, 5), (3, 8), (3, 5), (40,), (7, 8), seed=2)
   reduction_plan = plan_lib.make_plan(leaves, "batch", compressor, method="two_phase",
                                       min_compressed_size=0, axis_sizes={"batch": 8})
-  written = layout.join(reduction_plan, layout.segment_vectors(reduction_plan, leaves))
-  parts = layout.block_parts(reduction_plan, layout.segment_parts(reduction_plan, leaves))
-  for block, in_parts in zip(written, parts, strict=True):
-    np.testing.assert_array_equal(layout.materialize(in_parts), block)
-    for j in (0, 5, 7):
-      np.testing.assert_array_equal(layout.piece(in_parts, jnp.int32(j)), block[:, j])
-  from_parts, rows = exchange.encode_block_parts(compressor, KEY, parts)
+
+  @jax.jit  # One program: op by op, the many small slices would each compile.
+  def both_ways(leaves):
+    written = layout.join(reduction_plan, layout.segment_vectors(reduction_plan, leaves))
+    parts = layout.block_parts(reduction_plan, layout.segment_parts(reduction_plan, leaves))
+    materialized = [layout.materialize(p) for p in parts]
+    pieces = [[layout.piece(p, jnp.int32(j)) for j in (0, 5, 7)] for p in parts]
+    from_parts, rows = exchange.encode_block_parts(compressor, KEY, parts)
+    from_written = exchange.encode_blocks(compressor, KEY, written, batch_dims=2)
+    return written, materialized, pieces, from_parts, rows, from_written
+
+  written, materialized, pieces, from_parts, rows, from_written = both_ways(leaves)
+  for block, in_parts, block_pieces in zip(written, materialized, pieces, strict=True):
+    np.testing.assert_array_equal(in_parts, block)
+    for j, piece in zip((0, 5, 7), block_pieces, strict=True):
+      np.testing.assert_array_equal(piece, block[:, j])
   np.testing.assert_array_equal(
       rows, jnp.concatenate([exchange.device_rows(p, 8) for p in from_parts], axis=1))
-  from_written = exchange.encode_blocks(compressor, KEY, written, batch_dims=2)
   for a, b in zip(jax.tree.leaves(from_parts), jax.tree.leaves(from_written), strict=True):
     np.testing.assert_array_equal(a, b)
 

@@ -94,7 +94,10 @@ def compressed_allreduce(
   ``optax.apply_if_finite`` placed after this transform in the chain skips
   the step on every device. Do not wrap this transform in ``apply_if_finite``:
   each device would test its own updates, and devices that disagree take
-  different branches around the collectives and hang.
+  different branches around the collectives and hang. For QSGD and MinMax
+  with the ``"two_phase"`` or ``"all_gather"`` method the test costs next to
+  nothing: it reads the scales the step sends, NaN or inf exactly where a
+  bucket holds such a value, and reads the updates again only then.
 
   To accumulate gradients over ``k`` mini-steps, wrap the chain in
   :func:`~qsgd_jax.accumulate_gradients`: each device averages its own
