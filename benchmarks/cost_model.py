@@ -164,10 +164,11 @@ def network_kernel_seconds(mode: str, coordinates: int, devices: int, throughput
   shared-scale psum encodes and decodes ``N`` once each; the all-gather
   method encodes ``N`` once and decodes all ``p`` gathered payloads; the ring
   encodes its difference once and decodes its own and both neighbours'
-  (``3 N``).
+  (``3 N``). A ``/wire_only`` mode runs none.
   """
   compressor, _, method = mode.partition("/")
-  if compressor not in NETWORK_KERNELS:  # A float32 pmean runs no kernel of ours.
+  # A float32 pmean runs no kernel of ours, nor do a method's collectives alone.
+  if compressor not in NETWORK_KERNELS or method.endswith("/wire_only"):
     return 0.0
   results, size = throughput["results"][NETWORK_KERNELS[compressor]], throughput["size"]
   encode = results["encode"]["ms"] / 1e3 / size

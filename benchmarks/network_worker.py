@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from qsgd_jax._src import plan as plan_lib
 
 AXIS = "batch"
 LOOPBACK_TX_BYTES = pathlib.Path("/sys/class/net/lo/statistics/tx_bytes")
@@ -71,7 +72,10 @@ class Mode(NamedTuple):
       ``"all_gather"``); or
       ``"ring"``: one step of :func:`qsgd_jax.low_precision_decentralized`,
       which sends the compressed model difference to both ring neighbours
-      instead of averaging.
+      instead of averaging; or a method with ``"/wire_only"`` after it
+      (``"two_phase/wire_only"``): the collectives that method issues, arrays
+      of their shapes and types, and none of its compute, so that the
+      difference in time is the compute's.
   """
 
   compressor: qsgd_jax.Compressor | None
@@ -86,6 +90,7 @@ MODES = {
     "qsgd2/two_phase": Mode(qsgd_jax.QSGD(bits=2), "two_phase"),
     "qsgd2/psum": Mode(qsgd_jax.QSGD(bits=2), "psum"),
     "qsgd4/two_phase": Mode(qsgd_jax.QSGD(bits=4), "two_phase"),
+    "qsgd4/two_phase/wire_only": Mode(qsgd_jax.QSGD(bits=4), "two_phase/wire_only"),
     "qsgd4/psum": Mode(qsgd_jax.QSGD(bits=4), "psum"),
     "qsgd4/all_gather": Mode(qsgd_jax.QSGD(bits=4), "all_gather"),
     "qsgd8/two_phase": Mode(qsgd_jax.QSGD(bits=8), "two_phase"),
@@ -145,11 +150,46 @@ def step_function(mode: Mode, min_compressed_size: int):
 
     return exchange, P(AXIS)
 
+  if mode.method.endswith("/wire_only"):
+    return _wire_only(mode.compressor, mode.method.removesuffix("/wire_only"),
+                      min_compressed_size), P(AXIS)
+
   def average(grads, params):
     return qsgd_jax.quantized_pmean(grads, AXIS, mode.compressor, jax.random.key(0),
                                     method=mode.method, min_compressed_size=min_compressed_size)
 
   return average, P()
+
+
+def _wire_only(compressor: qsgd_jax.Compressor, method: str, min_compressed_size: int):
+  """The collectives of ``quantized_pmean(..., method=method)``, with none of its compute.
+
+  Each collective of the reduction's plan (:attr:`ReductionPlan.collectives`,
+  which the tests hold to the compiled program's) runs on an array of its
+  shape and type, filled with one element of the gradient so that XLA cannot
+  fold it away. The output is one element of each result.
+  """
+
+  def send(grads, params):
+    del params
+    planned = plan_lib.make_plan(grads, AXIS, compressor, method=method,
+                                 min_compressed_size=min_compressed_size).collectives
+    fill = jax.tree.leaves(grads)[0].reshape(-1)[0]
+    firsts = []
+    for collective in planned:
+      kind, shape, dtype = collective.kind, collective.shape, collective.dtype
+      if kind == "all-reduce":
+        result = jax.lax.psum(jnp.full(shape, fill, dtype), AXIS)
+      elif kind == "all-to-all":
+        result = jax.lax.all_to_all(jnp.full(shape, fill, dtype), AXIS, 0, 0, tiled=False)
+      elif kind == "all-gather":
+        result = jax.lax.all_gather(jnp.full(shape[1:], fill, dtype), AXIS, tiled=False)
+      else:
+        raise ValueError(f"wire_only: no {kind} here (method {method!r}).")
+      firsts.append(result.reshape(-1)[0].astype(jnp.float32))
+    return jnp.stack(firsts)[None]
+
+  return send
 
 
 def compile_mode(mesh, mode: Mode, min_compressed_size: int, abstract):
@@ -291,7 +331,7 @@ class Worker:
 
     for name, executable in compiled.items():  # The warm-up call, and the result's error.
       result = jax.block_until_ready(executable(grads, params))
-      if exact is not None and MODES[name].method != "ring":
+      if exact is not None and MODES[name].method != "ring" and "wire_only" not in name:
         record["modes"][name]["relative_error"] = relative_error(result, exact)
       del result
 

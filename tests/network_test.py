@@ -1,7 +1,8 @@
 """End to end: ``benchmarks/network.py`` launching 2 processes on a tiny tree.
 
-One run measures the float32 ``pmean`` and 4-bit QSGD, unthrottled and, where
-this machine lets the test create a network namespace, at 100 Mbit/s a node.
+One run measures the float32 ``pmean``, 4-bit QSGD and its collectives alone,
+unthrottled and, where this machine lets the test create a network namespace,
+at 100 Mbit/s a node.
 Two more runs check that the namespace goes away when a launch times out and
 when the launcher is told to stop.
 """
@@ -24,7 +25,7 @@ _spec.loader.exec_module(network)
 
 _DENIED = network.namespace_permission()
 _NO_NAMESPACE = f"cannot create a network namespace here: {_DENIED}"
-_MODES = ("fp32_pmean", "qsgd4/two_phase")
+_MODES = ("fp32_pmean", "qsgd4/two_phase", "qsgd4/two_phase/wire_only")
 _LIMITED = "100 Mbit/s"
 
 
@@ -71,6 +72,10 @@ def test_unthrottled_run_averages_and_counts(report):
   # One float32 all-reduce of the tree between two devices: each sends half of it, twice.
   assert fp32_bytes == pytest.approx(4 * tree["parameters"])
   assert tree["modes"]["qsgd4/two_phase"]["hlo_bytes_sent"] < fp32_bytes / 6
+  # The wire alone: the same collectives, byte for byte, and no mean to check.
+  wire_only = tree["modes"]["qsgd4/two_phase/wire_only"]
+  assert wire_only["collectives"] == tree["modes"]["qsgd4/two_phase"]["collectives"]
+  assert "relative_error" not in wire_only
 
 
 @pytest.mark.skipif(bool(_DENIED), reason=_NO_NAMESPACE)
