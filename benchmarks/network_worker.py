@@ -81,6 +81,10 @@ class Mode(NamedTuple):
   compressor: qsgd_jax.Compressor | None
   method: str
 
+  @property
+  def wire_only(self) -> bool:
+    return self.method.endswith("/wire_only")
+
 
 # One line a mode: a new method of quantized_pmean is one more line.
 MODES = {
@@ -150,7 +154,7 @@ def step_function(mode: Mode, min_compressed_size: int):
 
     return exchange, P(AXIS)
 
-  if mode.method.endswith("/wire_only"):
+  if mode.wire_only:
     return _wire_only(mode.compressor, mode.method.removesuffix("/wire_only"),
                       min_compressed_size), P(AXIS)
 
@@ -331,7 +335,7 @@ class Worker:
 
     for name, executable in compiled.items():  # The warm-up call, and the result's error.
       result = jax.block_until_ready(executable(grads, params))
-      if exact is not None and MODES[name].method != "ring" and "wire_only" not in name:
+      if exact is not None and MODES[name].method != "ring" and not MODES[name].wire_only:
         record["modes"][name]["relative_error"] = relative_error(result, exact)
       del result
 
