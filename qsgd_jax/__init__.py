@@ -5,8 +5,10 @@ Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
 (:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
 :func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
-:func:`low_precision_decentralized`, :func:`accumulate_gradients`), and a
-``jax.jit`` training step over a mesh that uses them (:func:`data_parallel`).
+:func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
+that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
+and a ``jax.jit`` training step over a mesh that uses them
+(:func:`data_parallel`).
 """
 
 from qsgd_jax import elias
@@ -24,6 +26,7 @@ from qsgd_jax._src.decentralized import (
 )
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
+from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.stats import CompressionStats, compression_stats
@@ -35,6 +38,7 @@ from qsgd_jax._src.transforms import (
 )
 from qsgd_jax._src.wire import Collective, collectives_in_hlo, wire_bytes
 from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
+from qsgd_jax._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 
@@ -54,7 +58,9 @@ __all__ = (
     "OneBit",
     "Payload",
     "QSGD",
+    "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
+    "ZeroOneAdamState",
     "accumulate_gradients",
     "as_varying",
     "averaged_params",
@@ -65,11 +71,14 @@ __all__ = (
     "data_parallel",
     "elias",
     "low_precision_decentralized",
+    "onebit_adam",
     "onebit_sgd",
     "qsgd",
     "quantized_pmean",
     "quantized_psum",
     "quantized_psum_scatter",
+    "scale_by_onebit_adam",
     "state_partition_specs",
     "wire_bytes",
+    "zero_one_adam",
 )

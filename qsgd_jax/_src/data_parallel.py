@@ -88,7 +88,9 @@ def data_parallel(
       ``args`` are the extra arguments of ``step``, the same on every device
       (fold in ``jax.lax.axis_index(axis_name)`` for a per-device rng).
     optimizer: an optax transformation that averages the gradients over
-      ``axis_name`` first, e.g. ``optax.chain(qsgd_jax.qsgd(axis_name), ...)``.
+      ``axis_name`` first, e.g. ``optax.chain(qsgd_jax.qsgd(axis_name), ...)``,
+      or one that communicates for itself, e.g.
+      ``qsgd_jax.onebit_adam(1e-3, axis_name, freeze_step=1000)``.
     mesh: the devices. A ``jax.make_mesh`` mesh of either axis type works.
     axis_name: the mesh axis the batch is split over, or ``(outer, inner,
       ...)`` for a two-level mesh (the optimizer's ``axis_name`` too); by
@@ -199,4 +201,6 @@ def _check_averaged(updates, names: tuple[str, ...]) -> None:
           f"differs per device over {varying}: the optimizer must average the gradients. Put "
           f"qsgd_jax.qsgd({names if len(names) > 1 else names[0]!r}), "
           "qsgd_jax.compressed_allreduce(...) or another averaging transform first in its "
-          "chain.")
+          "chain, or use an optimizer that averages for itself (qsgd_jax.onebit_adam; "
+          "qsgd_jax.zero_one_adam with local_step_clipper=1, since its local steps keep one "
+          "model per device).")

@@ -8,7 +8,9 @@ from jax.sharding import PartitionSpec
 from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
+from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.transforms import CompressedAllReduceState
+from qsgd_jax._src.zero_one_adam import ZeroOneAdamState
 
 # The fields every instance has, whatever the parameters and options: a Flax
 # NNX State drops empty tuples, so a state's other fields may be missing there.
@@ -16,6 +18,9 @@ _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
     LowPrecisionDecentralizedState: ("key", "stats"),
+    ScaleByOneBitAdamState: ("count", "worker_error", "server_error", "freeze_count", "stats"),
+    ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
+                       "local_interval", "learning_rate_sum", "freeze_count", "stats"),
 }
 
 
@@ -29,6 +34,15 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     its own model, so the replicas and the inner optimizer's arrays lie along
     ``axis_name`` (with the parameters' layout); the key, the stats and the
     scalars (step counts) are replicated.
+  * In a :class:`~qsgd_jax.ScaleByOneBitAdamState` (:func:`~qsgd_jax.onebit_adam`)
+    the 1-bit exchange's worker and server errors lie along ``axis_name``;
+    the moments and the rest are replicated.
+  * In a :class:`~qsgd_jax.ZeroOneAdamState` the errors lie along
+    ``axis_name``; with local steps (a non-empty ``accumulator``), the
+    accumulator and the first moment lie along the outer axis (the first of
+    ``axis_name``: with inner axes each node steps on its own average, with
+    the parameters' per-node layout); the variance and the counters are
+    replicated.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -52,12 +66,18 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
   """
   replicated, along_axis = PartitionSpec(), PartitionSpec(axis_name)
+  # 0/1 Adam's local steps run on each node's average over the inner axes: its per-device
+  # momenta and accumulators differ between nodes only.
+  along_outer = PartitionSpec(axes.parse(axis_name, "state_partition_specs").outer)
 
   def all_leaves(spec):
     return lambda tree: jax.tree.map(lambda _: spec, tree)
 
-  def per_worker(tree):
-    return jax.tree.map(lambda leaf: replicated if len(leaf.shape) == 0 else along_axis, tree)
+  def per_worker(tree, spec=along_axis):
+    return jax.tree.map(lambda leaf: replicated if len(leaf.shape) == 0 else spec, tree)
+
+  def per_node(tree):
+    return per_worker(tree, along_outer)
 
   field_specs = {
       AccumulationState: dict(
@@ -70,13 +90,23 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
       LowPrecisionDecentralizedState: dict(
           inner_state=per_worker, left_replica=per_worker, right_replica=per_worker,
           key=all_leaves(replicated), stats=all_leaves(replicated)),
+      ScaleByOneBitAdamState: dict(
+          worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
   }
+
+  def zero_one_adam_fields(node):
+    fields = _fields(node)
+    local_steps = bool(jax.tree.leaves(fields.get("accumulator", ())))
+    return dict(worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis),
+                accumulator=per_node, mu=per_node if local_steps else all_leaves(replicated))
 
   def spec(node):
     state_type = _state_type(node)
     if state_type is None:
       return jax.tree.map(lambda _: replicated, node)
-    return _map_fields(node, field_specs[state_type])
+    functions = (zero_one_adam_fields(node) if state_type is ZeroOneAdamState
+                 else field_specs[state_type])
+    return _map_fields(node, functions, default=all_leaves(replicated))
 
   def specs(tree):
     return jax.tree.map(spec, tree, is_leaf=lambda node: _state_type(node) is not None)
@@ -97,12 +127,19 @@ def _state_type(node) -> type | None:
   return None
 
 
-def _map_fields(node, functions):
-  """``node`` (NamedTuple or mapping) with each field's value passed through its function."""
+def _fields(node) -> dict:
+  """The fields of ``node`` (NamedTuple or mapping) by name."""
+  return node._asdict() if isinstance(node, tuple) else dict(node)
+
+
+def _map_fields(node, functions, default=None):
+  """``node`` (NamedTuple or mapping) with each field's value passed through its function
+  (``default`` for a field ``functions`` does not name)."""
   fields, structure = jax.tree_util.tree_flatten_with_path(
       node, is_leaf=lambda child: child is not node)
   return jax.tree_util.tree_unflatten(
-      structure, [functions[_field_name(path)](value) for path, value in fields])
+      structure,
+      [functions.get(_field_name(path), default)(value) for path, value in fields])
 
 
 def _field_name(path) -> str:

@@ -1,0 +1,313 @@
+"""What 1-bit Adam and 0/1 Adam share: which leaves are compressed, checks, and the auto freeze.
+
+Both optimizers take each device's local gradients and average them
+themselves: a leaf travels through DeepSpeed's 1-bit exchange
+(``sign_exchange.py``) when it is a float leaf of at least
+``min_compressed_size`` elements that ``compression_mask`` does not exclude;
+every other float leaf is averaged in float32 by one ``jax.lax.pmean`` and
+follows plain Adam; a leaf that is not float (integer, bool, ``float0``) is
+not optimized, its update zero.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import sign_exchange
+
+FreezeStep = int | Literal["auto"]
+# The float32 path for leaves under this many elements (biases, norm scales), as the
+# library's other averages do; 0 compresses every float leaf, as DeepSpeed does.
+DEFAULT_MIN_COMPRESSED_SIZE = 4096
+_NEVER = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+  """How each leaf of a gradient tree travels, decided from static shapes.
+
+  Attributes:
+    shapes: each leaf's shape, in tree order.
+    kinds: ``"compressed"``, ``"float32"`` or ``"other"`` (not float) a leaf.
+  """
+
+  shapes: tuple[tuple[int, ...], ...]
+  kinds: tuple[str, ...]
+
+  def indices(self, kind: str) -> tuple[int, ...]:
+    return tuple(i for i, k in enumerate(self.kinds) if k == kind)
+
+  @functools.cached_property
+  def compressed(self) -> tuple[int, ...]:
+    return self.indices("compressed")
+
+  @functools.cached_property
+  def float32(self) -> tuple[int, ...]:
+    return self.indices("float32")
+
+  def elements(self, kind: str) -> int:
+    return sum(math.prod(self.shapes[i]) for i in self.indices(kind))
+
+  def shares(self, inner_size: int) -> tuple[int, ...]:
+    """Elements of each compressed leaf that one of ``inner_size`` devices of a node exchanges."""
+    return tuple(-(-math.prod(self.shapes[i]) // inner_size) for i in self.compressed)
+
+  def layout(self, num_devices: int, inner_size: int = 1) -> sign_exchange.SignLayout:
+    """The exchange's layout of the compressed leaves' shares over ``num_devices``."""
+    return sign_exchange.sign_layout(self.shares(inner_size), num_devices)
+
+
+def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
+  """The :class:`Leaves` of ``tree`` (arrays or shapes).
+
+  Args:
+    tree: the gradients or parameters (or their ``jax.eval_shape``).
+    min_compressed_size: float leaves with fewer elements take the float32 path.
+    compression_mask: ``None``, a pytree of bools with ``tree``'s structure, or
+      a callable returning one from ``tree``; ``False`` leaves take the
+      float32 path.
+  """
+  leaves = jax.tree.leaves(tree)
+  if compression_mask is None:
+    mask = [True] * len(leaves)
+  else:
+    given = compression_mask(tree) if callable(compression_mask) else compression_mask
+    mask = jax.tree.leaves(given)
+    if len(mask) != len(leaves):
+      raise ValueError(
+          f"compression_mask has {len(mask)} leaves and the tree {len(leaves)}: give one bool "
+          "a leaf, in the parameters' structure (or a callable that returns it).")
+  kinds = []
+  for leaf, compress in zip(leaves, mask, strict=True):
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      kinds.append("other")
+    elif bool(compress) and math.prod(leaf.shape) >= max(min_compressed_size, 1):
+      kinds.append("compressed")
+    else:
+      kinds.append("float32")
+  return Leaves(tuple(tuple(leaf.shape) for leaf in leaves), tuple(kinds))
+
+
+def check_options(owner: str, *, b1, b2, eps, min_compressed_size) -> None:
+  """Raises ``ValueError`` for decay rates outside ``[0, 1)``, a negative ``eps`` or size."""
+  for name, value in (("b1", b1), ("b2", b2)):
+    if not isinstance(value, int | float) or not 0 <= value < 1:
+      raise ValueError(
+          f"{owner}: {name} must be a float in [0, 1) (a decay rate of a moving average), "
+          f"got {value!r}.")
+  if not isinstance(eps, int | float) or eps < 0:
+    raise ValueError(f"{owner}: eps must be a non-negative float, got {eps!r}.")
+  if (not isinstance(min_compressed_size, int) or isinstance(min_compressed_size, bool)
+      or min_compressed_size < 0):
+    raise ValueError(
+        f"{owner}: min_compressed_size must be a non-negative int (0 compresses every float "
+        f"leaf, as DeepSpeed does), got {min_compressed_size!r}.")
+
+
+def check_positive_int(owner: str, name: str, value, hint: str = "") -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{owner}: {name} must be a positive int{hint}, got {value!r}.")
+
+
+def check_freeze_step(owner: str, name: str, value: FreezeStep) -> None:
+  if value == "auto":
+    return
+  check_positive_int(
+      owner, name, value,
+      " (the number of float32 steps before the variance is frozen) or 'auto'")
+
+
+def mapped_sizes(axes: axes_lib.Axes, axis_size, owner: str) -> tuple[int, ...]:
+  """Each axis's size, outer first: bound, or given by ``axis_size`` (an int for one axis,
+  a dict by name) where ``init`` runs outside the mapped function."""
+  given = axis_size if isinstance(axis_size, dict) else (
+      {} if axis_size is None else {axes.outer: axis_size})
+  sizes = []
+  for name in axes.names:
+    try:
+      sizes.append(jax.lax.axis_size(name))
+    except NameError:
+      if name not in given:
+        raise NameError(
+            f"{owner}: axis_name {name!r} is not bound here, so the size of the per-device "
+            "error buffers is unknown. Call init inside jax.pmap / jax.shard_map over it (as "
+            "qsgd_jax.data_parallel does), or pass axis_size=<number of devices on that axis> "
+            "(a dict by axis name for several axes).") from None
+      sizes.append(given[name])
+  return tuple(sizes)
+
+
+def check_axis_size(owner: str, axis_size) -> None:
+  if axis_size is None:
+    return
+  for value in (axis_size.values() if isinstance(axis_size, dict) else (axis_size,)):
+    check_positive_int(owner, "axis_size", value, " (or a dict of them by axis name)")
+
+
+def check_tree(owner: str, updates, params, moments) -> None:
+  """Raises ``ValueError`` where the gradients' structure is not the parameters' or the state's."""
+  structure = jax.tree.structure(updates)
+  for name, tree in (("params", params), ("the state's moments", moments)):
+    if tree is None:
+      continue
+    other = jax.tree.structure(tree)
+    if other != structure:
+      raise ValueError(
+          f"{owner}: the gradients' tree structure differs from {name}'s: {structure} against "
+          f"{other}. Pass gradients of exactly the parameters the optimizer was initialized "
+          "with (jax.grad of the loss with respect to them).")
+
+
+def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayout,
+                       held_devices: int | None = None) -> None:
+  """Raises ``ValueError`` where the state's error buffers are not the layout's shapes."""
+  expected = layout.worker_error_shape().shape
+  if worker_error.shape == expected:
+    return
+  held = worker_error.shape[0] if worker_error.ndim == 2 else held_devices
+  raise ValueError(
+      f"{owner}: the state's worker_error has shape {worker_error.shape}, this step needs "
+      f"{expected}: the state was made for {held} devices on the compressed axis and this step "
+      f"runs on {layout.num_devices}, or for another parameter tree. Initialize the optimizer "
+      "for this mesh, or carry the error buffers over to the new device count.")
+
+
+def float_zeros_like(x, dtype=None) -> jax.Array:
+  return jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x))
+
+
+def zero_update(x) -> jax.Array:
+  """The update of a leaf the optimizer does not change: zeros of its dtype (``float0`` kept)."""
+  return np.zeros(jnp.shape(x), jax.dtypes.float0) if jnp.result_type(
+      x) == jax.dtypes.float0 else jnp.zeros(jnp.shape(x), jnp.result_type(x))
+
+
+class AutoFreeze:
+  """The rule of ``freeze_step="auto"``: freeze once the variance has stopped moving.
+
+  The statistic is ``||v||_1``, the sum of the (bias-corrected, where the
+  optimizer corrects) second moment over the compressed leaves: the quantity
+  the 1-bit Adam paper plots to show that the variance settles (Tang et al.
+  2021, Section 3). It is computed from the variance every device holds alike
+  (updated from the float32 mean gradient), so every device decides the same.
+  The last ``window`` values are kept; the variance is frozen after the first
+  update at which the window is full and its relative range is at most
+  ``tolerance``: ``(max - min) / max <= tolerance``.
+  """
+
+  def __init__(self, window: int, tolerance: float):
+    self.window = window
+    self.tolerance = tolerance
+
+  def initial(self) -> jax.Array:
+    return jnp.full((self.window,), jnp.nan, jnp.float32)
+
+  def record(self, history: jax.Array, updates_seen: jax.Array,
+             statistic: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``history`` with ``statistic`` as update ``updates_seen`` (1-based); whether to freeze."""
+    history = history.at[(updates_seen - 1) % self.window].set(statistic)
+    high, low = jnp.max(history), jnp.min(history)
+    settled = (updates_seen >= self.window) & ((high - low) <= self.tolerance * high)
+    return history, settled
+
+
+def auto_freeze(freeze_step: FreezeStep, window: int, tolerance: float) -> AutoFreeze | None:
+  return AutoFreeze(window, tolerance) if freeze_step == "auto" else None
+
+
+def initial_freeze_count(freeze_step: FreezeStep) -> jax.Array:
+  """``int32[]``: the count from which the variance is frozen (``int32`` max: not yet chosen)."""
+  return jnp.asarray(_NEVER if freeze_step == "auto" else freeze_step, jnp.int32)
+
+
+def statistic(nu_leaves: list[jax.Array], correction) -> jax.Array:
+  """``||v||_1`` over the compressed leaves' variances, each divided by ``correction``."""
+  total = sum((jnp.sum(v.astype(jnp.float32)) for v in nu_leaves), jnp.float32(0))
+  return total / correction
+
+
+def pmean_float32(leaves: list[jax.Array], axes: axes_lib.Axes) -> list[jax.Array]:
+  """Each leaf in float32, averaged over every axis by one ``jax.lax.pmean`` (as it is, locally)."""
+  leaves = [leaf.astype(jnp.float32) for leaf in leaves]
+  if axes.is_local or not leaves:
+    return leaves
+  return jax.lax.pmean(leaves, axes.name)
+
+
+def inner_mean(leaves: list[jax.Array], axes: axes_lib.Axes) -> list[jax.Array]:
+  """Each leaf in float32 averaged over the inner axes (the fast links), if any."""
+  leaves = [leaf.astype(jnp.float32) for leaf in leaves]
+  if not axes.inner or not leaves:
+    return leaves
+  return jax.lax.pmean(leaves, _inner_name(axes))
+
+
+def _inner_name(axes: axes_lib.Axes):
+  return axes.inner if len(axes.inner) > 1 else axes.inner[0]
+
+
+def exchange(vectors: list[jax.Array], worker_error: jax.Array, server_error: jax.Array,
+             leaves: Leaves, axes: axes_lib.Axes,
+             sizes: tuple[int, ...]) -> sign_exchange.Exchanged:
+  """The 1-bit average over every axis of the compressed leaves' ``vectors``.
+
+  Over one axis, DeepSpeed's exchange of each vector whole. With inner axes
+  (``m`` devices a node), each vector is zero-padded to a multiple of ``m``
+  and reduce-scattered over the inner axes in float32, so that each device of
+  a node holds the node's mean of one ``1/m`` share; the shares are averaged
+  over the outer axis by the 1-bit exchange (a scale a share), and
+  all-gathered over the inner axes. The outer links carry ``1/m`` of each
+  vector's signs a device.
+
+  Args:
+    vectors: this device's vectors, one a compressed leaf (any shape).
+    worker_error, server_error: this device's errors, for the layout of the
+      shares (:meth:`Leaves.layout` with ``inner_size=m``).
+    leaves: the tree's :class:`Leaves`.
+    axes: the reduction's axes.
+    sizes: their sizes, outer first (empty for one device).
+
+  Returns:
+    :class:`~qsgd_jax._src.sign_exchange.Exchanged`, its ``vectors`` the
+    averages in the leaves' shapes, the same on every device.
+  """
+  n = sizes[0] if sizes else 1
+  m = math.prod(sizes[1:])
+  flat = [v.reshape(-1).astype(jnp.float32) for v in vectors]
+  layout = leaves.layout(n, m)
+  if m > 1:
+    rows = jnp.concatenate(
+        [jnp.pad(v, (0, m * share - v.shape[0])).reshape(m, share)
+         for v, share in zip(flat, layout.sizes, strict=True)], axis=1)
+    rows = axes_lib.as_varying(rows, _inner_name(axes))
+    mine = jax.lax.psum_scatter(rows, _inner_name(axes), scatter_dimension=0) / np.float32(m)
+    flat = list(jnp.split(mine, np.cumsum(layout.sizes)[:-1]))
+  out = sign_exchange.exchange(flat, worker_error, server_error, layout, axes.outer)
+  averages = out.vectors
+  if m > 1:
+    # Each share's finiteness travels with it, as a last element that is NaN if not.
+    flag = jnp.where(out.all_finite, np.float32(0), np.float32(np.nan))[None]
+    gathered = axes_lib.all_gather_replicated(jnp.concatenate([*averages, flag]),
+                                              _inner_name(axes))
+    averages = [part.reshape(-1) for part in jnp.split(
+        gathered[:, :-1], np.cumsum(layout.sizes)[:-1], axis=1)]
+    out = out._replace(all_finite=jnp.all(jnp.isfinite(gathered[:, -1])))
+  shapes = [leaves.shapes[i] for i in leaves.compressed]
+  return out._replace(vectors=[a[:math.prod(shape)].reshape(shape)
+                               for a, shape in zip(averages, shapes, strict=True)])
+
+
+def tree_select(condition: jax.Array, new: Any, old: Any) -> Any:
+  return jax.tree.map(lambda a, b: jnp.where(condition, a, b), new, old)
+
+
+def as_callable_schedule(learning_rate) -> Callable[[jax.Array], jax.Array]:
+  return learning_rate if callable(learning_rate) else (lambda count: learning_rate)

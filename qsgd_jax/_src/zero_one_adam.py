@@ -1,0 +1,444 @@
+"""0/1 Adam (Lu et al. 2022), as DeepSpeed's ``ZeroOneAdam`` runs it, for optax."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import compressed_adam as common
+from qsgd_jax._src import sign_exchange, stats, wire
+
+
+class ZeroOneAdamState(NamedTuple):
+  """State of :func:`zero_one_adam`.
+
+  Attributes:
+    count: ``int32[]``, updates taken (a skipped non-finite step does not count).
+    mu: the first moment, like the parameters (``mu_dtype``): per device
+      when local steps are possible (``local_step_clipper > 1``), else the
+      same on every device.
+    nu: the second moment, like the parameters, the same on every device.
+    accumulator: per device, ``float32`` like each compressed leaf: the sum
+      of this device's updates since the last synchronization (DeepSpeed's
+      ``momentum_accumulator``); an empty tuple without local steps.
+    worker_error: ``float32[n, width]``, this device's worker error of the
+      1-bit exchange.
+    server_error: ``float32[width]``, this device's server error.
+    variance_interval: ``int32[]``, the variance is updated at counts that
+      are multiples of it (DeepSpeed's ``var_interval``).
+    variance_counter: ``int32[]``, variance updates at this interval.
+    variance_updates: ``int32[]``, variance updates so far (its bias
+      correction's exponent).
+    local_interval: ``int32[]``, once frozen, the devices synchronize at
+      counts that are multiples of it (``local_step_interval``).
+    local_counter: ``int32[]``, frozen steps at this interval.
+    learning_rate_sum: ``float32[]``, the learning rates since the last
+      synchronization (``lrs``).
+    freeze_count: ``int32[]``, the count from which the variance is frozen
+      (``var_freeze_step + 1``; with ``"auto"``, the count chosen, ``2**31 -
+      1`` until then).
+    variance_history: ``float32[window]`` with ``"auto"``, else ``float32[0]``.
+    stats: the last step's :class:`~qsgd_jax.CompressionStats`.
+  """
+
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  accumulator: tuple[jax.Array, ...]
+  worker_error: jax.Array
+  server_error: jax.Array
+  variance_interval: jax.Array
+  variance_counter: jax.Array
+  variance_updates: jax.Array
+  local_interval: jax.Array
+  local_counter: jax.Array
+  learning_rate_sum: jax.Array
+  freeze_count: jax.Array
+  variance_history: jax.Array
+  stats: stats.CompressionStats
+
+
+def zero_one_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    axis_name: axes_lib.AxisName,
+    *,
+    var_freeze_step: common.FreezeStep,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    mask=None,
+    mu_dtype=None,
+    var_update_scaler: int = 16,
+    local_step_scaler: int = 32678,
+    local_step_clipper: int = 16,
+    min_compressed_size: int = common.DEFAULT_MIN_COMPRESSED_SIZE,
+    compression_mask=None,
+    axis_size: int | dict[str, int] | None = None,
+    auto_freeze_window: int = 8,
+    auto_freeze_tolerance: float = 0.05,
+) -> optax.GradientTransformationExtraArgs:
+  r"""0/1 Adam: AdamW with 1-bit averages, a variance updated ever more rarely, then local steps.
+
+  DeepSpeed's ``ZeroOneAdam`` (``deepspeed/runtime/fp16/onebit/zoadam.py``),
+  as that file runs it. Its ``update`` takes each device's **local**
+  gradients, inside ``jax.pmap`` or ``jax.shard_map`` over ``axis_name``, and
+  returns the parameters' whole update, learning rate and weight decay
+  included (the local steps below accumulate learning-rate-scaled updates,
+  so neither can be chained after it). At the ``t``-th update
+  (:math:`\eta_t` the learning rate):
+
+  * Until the variance freezes: at counts ``t`` that are multiples of the
+    variance interval (``1`` at first), the float32 mean gradient
+    :math:`\bar g` updates both moments; at the others the devices' gradients
+    travel through DeepSpeed's 1-bit exchange (``sign_exchange.py``) and only
+    the momentum takes the 1-bit average. After ``var_update_scaler``
+    variance updates at an interval, the interval doubles. The update is
+    :math:`-\eta_t (\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)`.
+  * From count ``var_freeze_step + 1`` on (DeepSpeed freezes after the step
+    whose count exceeds ``var_freeze_step``, and zeroes the exchange's errors
+    then) the variance is fixed and each device steps on its own momentum of
+    its own gradients, summing its updates in an accumulator ``a``; at counts
+    that are multiples of the local interval (``1`` at first) the devices
+    synchronize: each undoes its local steps, the 1-bit exchange averages
+    :math:`a (\sqrt{\hat v} + \epsilon)`, giving :math:`u`, the momentum
+    becomes :math:`-u / \sum \eta` and the parameters move by
+    :math:`u / (\sqrt{\hat v} + \epsilon)` from the last synchronized point.
+    After ``local_step_scaler`` frozen steps at an interval it doubles, up to
+    ``local_step_clipper``.
+
+  Between synchronizations the devices' parameters and momenta differ: with
+  ``local_step_clipper > 1`` hold one model per device (``jax.pmap``, or
+  ``jax.shard_map`` with parameters laid out along ``axis_name``) and the
+  state's ``mu`` is per device. With ``local_step_clipper=1`` every frozen
+  step synchronizes, and parameters and momenta stay replicated:
+  :func:`~qsgd_jax.data_parallel` then takes it as it is. With DeepSpeed's
+  defaults the first local step comes after ``local_step_scaler`` (32,678)
+  frozen steps.
+
+  With ``bias_correction=False`` the numbers are DeepSpeed's, which never
+  bias-corrects; with ``True`` the moments are read as
+  :math:`\hat m = m / (1 - \beta_1^t)` and
+  :math:`\hat v = v / (1 - \beta_2^k)`, ``k`` the variance updates so far, and
+  the synchronized momentum is stored as :math:`-u (1 - \beta_1^t) / \sum \eta`.
+  DeepSpeed's first ``step`` only sets up its buffers and counts a step;
+  here the first update learns. Leaves under ``min_compressed_size``
+  elements or excluded by ``compression_mask`` are averaged in float32 every
+  step and follow plain Adam; leaves that are not float are left unchanged.
+
+  ``var_freeze_step="auto"`` freezes the variance after the first variance
+  update at which the last ``auto_freeze_window`` values of
+  :math:`\|\hat v\|_1` over the compressed leaves lie within a relative range
+  of ``auto_freeze_tolerance`` (the rule of :func:`scale_by_onebit_adam`,
+  read at the variance updates); ``freeze_count`` in the state reports it.
+
+  A NaN or inf in any device's gradient skips the step on every device
+  together: the updates are zero and the state is kept (every step tells all
+  devices, at no extra collective where float32 leaves are averaged anyway).
+
+  Args:
+    learning_rate: a float or an optax schedule (of the count).
+    axis_name: the mapped axis (or ``(outer, inner, ...)``: inner axes averaged
+      in float32 first, only the outer one crossed by 1-bit exchanges).
+    var_freeze_step: the last count whose step may still update the
+      variance, or ``"auto"``.
+    b1, b2, eps: Adam's.
+    weight_decay, mask: decoupled weight decay and its mask, as in
+      ``optax.adamw``; added to the Adam ratio, as DeepSpeed does.
+    bias_correction: whether to correct the moments' initialization bias.
+    mu_dtype: the first moment's dtype (``None``: the parameters').
+    var_update_scaler: variance updates at an interval before it doubles
+      (DeepSpeed's default 16).
+    local_step_scaler: frozen steps at a local interval before it doubles
+      (DeepSpeed's default 32678).
+    local_step_clipper: the largest local interval (DeepSpeed's default 16).
+    min_compressed_size, compression_mask, axis_size, auto_freeze_window,
+      auto_freeze_tolerance: as in :func:`scale_by_onebit_adam`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.zero_one_adam(1e-3, "batch", var_freeze_step=4,
+    ...                             min_compressed_size=0, local_step_clipper=1)
+    >>> params = jnp.zeros((n, 64))
+    >>> state = jax.pmap(tx.init, axis_name="batch")(params)
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(
+    ...     jnp.ones((n, 64)), state, params)
+    >>> bool(jnp.allclose(updates, -1e-3))
+    True
+
+  References:
+    Lu et al., `Maximizing Communication Efficiency for Large-scale Training
+    via 0/1 Adam <https://arxiv.org/abs/2202.06009>`_, ICLR 2023.
+  """
+  owner = "qsgd_jax.zero_one_adam"
+  common.check_options(owner, b1=b1, b2=b2, eps=eps, min_compressed_size=min_compressed_size)
+  common.check_freeze_step(owner, "var_freeze_step", var_freeze_step)
+  for name, value in (("var_update_scaler", var_update_scaler),
+                      ("local_step_scaler", local_step_scaler),
+                      ("local_step_clipper", local_step_clipper),
+                      ("auto_freeze_window", auto_freeze_window)):
+    common.check_positive_int(owner, name, value)
+  common.check_axis_size(owner, axis_size)
+  axes = axes_lib.parse(axis_name, owner)
+  auto = common.auto_freeze(var_freeze_step, auto_freeze_window, auto_freeze_tolerance)
+  schedule = common.as_callable_schedule(learning_rate)
+  local_steps = local_step_clipper > 1
+  decay_mask = mask
+
+  def per_device(tree):
+    """``tree`` typed as varying over the axes where local steps can make devices differ."""
+    if not local_steps or axes.is_local:
+      return tree
+    return jax.tree.map(lambda x: axes_lib.as_varying(x, axes.name), tree)
+
+  def init_fn(params):
+    leaves = common.leaves_of(params, min_compressed_size, compression_mask)
+    sizes = common.mapped_sizes(axes, axis_size, owner)
+    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    flat = jax.tree.leaves(params)
+    one = jnp.ones((), jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return ZeroOneAdamState(
+        count=zero,
+        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+        nu=optax.tree.zeros_like(params),
+        accumulator=tuple(jnp.zeros(jnp.shape(flat[i]), jnp.float32)
+                          for i in leaves.compressed) if local_steps else (),
+        worker_error=jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
+        server_error=jnp.zeros(layout.server_error_shape().shape, jnp.float32),
+        variance_interval=one, variance_counter=zero, variance_updates=zero,
+        local_interval=one, local_counter=zero,
+        learning_rate_sum=jnp.zeros((), jnp.float32),
+        freeze_count=(common.initial_freeze_count(var_freeze_step) + 1
+                      if var_freeze_step != "auto" else common.initial_freeze_count("auto")),
+        variance_history=auto.initial() if auto else jnp.zeros((0,), jnp.float32),
+        stats=stats.empty(),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if not isinstance(state, ZeroOneAdamState):
+      raise TypeError(
+          f"{owner}: the state is a {type(state).__name__}, not a ZeroOneAdamState: pass the "
+          "state this optimizer's init returned.")
+    if params is None:
+      raise ValueError(f"{owner}: update needs params (for the weight decay and local steps).")
+    common.check_tree(owner, updates, params, state.mu)
+    leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
+    sizes = axes.sizes(owner)
+    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    common.check_error_shapes(owner, state.worker_error, layout)
+    grads, treedef = jax.tree.flatten(updates)
+    flat_params = jax.tree.leaves(params)
+    decayed = _decayed(decay_mask, params, len(grads))
+    mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+    compressed, small = leaves.compressed, leaves.float32
+    count = optax.safe_increment(state.count)
+    frozen = state.count >= state.freeze_count
+    lr = jnp.asarray(schedule(state.count), jnp.float32)
+    c1 = 1 - b1 ** count if bias_correction else 1.0
+
+    def denominator(v, updates_count):
+      v_hat = optax.tree.bias_correction(v, b2, updates_count) if bias_correction else v
+      return jnp.sqrt(v_hat) + eps
+
+    def step_of(i, m, denom):
+      m_hat = m / c1 if bias_correction else m
+      update = m_hat / denom
+      if decayed[i]:
+        update = update + weight_decay * flat_params[i]
+      return -lr * update
+
+    def local_flag():
+      return jnp.logical_not(_all_finite([grads[i] for i in compressed]))
+
+    def small_path(new_mu, new_nu, flag):
+      """The float32 leaves' plain Adam step; ``flag`` (this device's) travels with them."""
+      means = common.pmean_float32([grads[i] for i in small] + [flag.astype(jnp.float32)], axes)
+      flag = means.pop()
+      for i, mean in zip(small, means, strict=True):
+        new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
+        new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
+      return new_mu, new_nu, (flag == 0) & _all_finite(means)
+
+    def variance_step(_):
+      indices = tuple(sorted(compressed + small))
+      means = common.pmean_float32([grads[i] for i in indices], axes)
+      new_mu, new_nu = list(mu), list(nu)
+      for i, mean in zip(indices, means, strict=True):
+        new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
+        new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
+      return (new_mu, new_nu, state.worker_error, state.server_error, _all_finite(means),
+              state.variance_updates + 1)
+
+    def onebit_step(_):
+      out = common.exchange([grads[i] for i in compressed], state.worker_error,
+                            state.server_error, leaves, axes, sizes)
+      new_mu = list(mu)
+      for i, vector in zip(compressed, out.vectors, strict=True):
+        new_mu[i] = optax.tree.update_moment(vector, mu[i], b1, 1)
+      new_mu, new_nu, finite = small_path(new_mu, list(nu), jnp.bool_(False))
+      return (new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & finite,
+              state.variance_updates)
+
+    def warm(_):
+      t = count
+      is_variance_step = t % state.variance_interval == 0
+      new_mu, new_nu, worker_error, server_error, finite, variance_updates = jax.lax.cond(
+          is_variance_step, variance_step, onebit_step, None)
+      deltas = []
+      for i in range(len(grads)):
+        if leaves.kinds[i] == "other":
+          deltas.append(None)
+          continue
+        v_count = variance_updates if leaves.kinds[i] == "compressed" else count
+        deltas.append(step_of(i, new_mu[i], denominator(new_nu[i], v_count)))
+      counter = state.variance_counter + is_variance_step.astype(jnp.int32)
+      doubled = counter == var_update_scaler
+      schedule_state = (jnp.where(doubled, 2 * state.variance_interval, state.variance_interval),
+                        jnp.where(doubled, 0, counter), variance_updates)
+      return (per_device(deltas), new_mu, new_nu, state.accumulator, worker_error,
+              server_error, finite, schedule_state, state.local_interval, state.local_counter,
+              state.learning_rate_sum, jnp.logical_not(is_variance_step), is_variance_step)
+
+    def frozen_step(_):
+      lr_sum = state.learning_rate_sum + lr
+      local = common.inner_mean([grads[i] for i in compressed], axes)
+      new_mu, new_nu, finite = small_path(list(mu), list(nu), local_flag())
+      deltas = [None] * len(grads)
+      denominators = {}
+      for k, i in enumerate(compressed):
+        new_mu[i] = optax.tree.update_moment(local[k], mu[i], b1, 1)
+        denominators[i] = denominator(nu[i], state.variance_updates)
+        deltas[i] = step_of(i, new_mu[i], denominators[i])
+      for i in small:
+        deltas[i] = step_of(i, new_mu[i], denominator(new_nu[i], count))
+      accumulator = (tuple(a + deltas[i] for a, i in zip(state.accumulator, compressed,
+                                                         strict=True))
+                     if local_steps else tuple(deltas[i] for i in compressed))
+      synchronize = count % state.local_interval == 0
+
+      def synchronized(_):
+        scaled = [a * denominators[i] for a, i in zip(accumulator, compressed, strict=True)]
+        out = common.exchange(scaled, state.worker_error, state.server_error, leaves, axes,
+                              sizes)
+        sync_mu, sync_deltas = list(new_mu), list(deltas)
+        for k, i in enumerate(compressed):
+          average = out.vectors[k]
+          sync_mu[i] = -(average / lr_sum) * c1
+          moved = average / denominators[i]
+          sync_deltas[i] = moved - state.accumulator[k] if local_steps else moved
+        zeros = tuple(jnp.zeros_like(a) for a in accumulator) if local_steps else ()
+        return (per_device(sync_deltas), per_device(sync_mu), per_device(zeros),
+                out.worker_error, out.server_error, out.all_finite, jnp.float32(0))
+
+      def local_step(_):
+        return (per_device(deltas), per_device(new_mu), accumulator, state.worker_error,
+                state.server_error, jnp.bool_(True), lr_sum)
+
+      if local_steps:
+        (deltas, new_mu, accumulator, worker_error, server_error, exchanged_finite,
+         lr_sum) = jax.lax.cond(synchronize, synchronized, local_step, None)
+      else:
+        (deltas, new_mu, accumulator, worker_error, server_error, exchanged_finite,
+         lr_sum) = synchronized(None)
+      counter = state.local_counter + 1
+      doubled = counter == local_step_scaler
+      local_interval = jnp.where(doubled, jnp.minimum(local_step_clipper,
+                                                      2 * state.local_interval),
+                                 state.local_interval)
+      schedule_state = (state.variance_interval, state.variance_counter,
+                        state.variance_updates)
+      return (per_device(deltas), new_mu, new_nu, accumulator, worker_error, server_error,
+              finite & exchanged_finite, schedule_state, local_interval,
+              jnp.where(doubled, 0, counter), lr_sum, synchronize, jnp.bool_(False))
+
+    (deltas, new_mu, new_nu, accumulator, worker_error, server_error, finite, variance_schedule,
+     local_interval, local_counter, lr_sum, exchanged, variance_updated) = jax.lax.cond(
+         frozen, frozen_step, warm, None)
+    variance_interval, variance_counter, variance_updates = variance_schedule
+
+    freeze_count, history = state.freeze_count, state.variance_history
+    if auto:
+      correction = 1 - b2 ** variance_updates if bias_correction else 1.0
+      history, settled = auto.record(
+          history, variance_updates,
+          common.statistic([new_nu[i] for i in compressed], correction))
+      recorded = variance_updated & finite
+      history = jnp.where(recorded, history, state.variance_history)
+      freeze_count = jnp.where(recorded & settled, count, freeze_count)
+    # zoadam.py 310-317: the errors start afresh when the variance freezes.
+    freezing = jnp.logical_not(frozen) & (count >= freeze_count)
+    worker_error = jnp.where(freezing, 0.0, worker_error)
+    server_error = jnp.where(freezing, 0.0, server_error)
+
+    out = [common.zero_update(g) if d is None else d.astype(jnp.result_type(g))
+           for g, d in zip(grads, deltas, strict=True)]
+    new_state = ZeroOneAdamState(
+        count=count,
+        mu=jax.tree.unflatten(treedef, [m.astype(old.dtype) for m, old in zip(new_mu, mu,
+                                                                                strict=True)]),
+        nu=jax.tree.unflatten(treedef, [v.astype(old.dtype) for v, old in zip(new_nu, nu,
+                                                                                strict=True)]),
+        accumulator=accumulator,
+        worker_error=worker_error,
+        server_error=server_error,
+        variance_interval=variance_interval,
+        variance_counter=variance_counter,
+        variance_updates=variance_updates,
+        local_interval=local_interval,
+        local_counter=local_counter,
+        learning_rate_sum=lr_sum,
+        freeze_count=freeze_count,
+        variance_history=history,
+        stats=_stats(variance_updated, exchanged, leaves, layout, sizes),
+    )
+    kept = state._replace(stats=new_state.stats)
+    new_state = common.tree_select(finite, new_state, kept)
+    out = [jnp.where(finite, u, jnp.zeros_like(u)) if jnp.result_type(u) != jax.dtypes.float0
+           else u for u in out]
+    return jax.tree.unflatten(treedef, out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decayed(mask, params, count: int) -> list[bool]:
+  """Whether weight decay applies to each leaf, from an ``optax.adamw``-style mask."""
+  if mask is None:
+    return [True] * count
+  given = mask(params) if callable(mask) else mask
+  flags = jax.tree.leaves(given)
+  if len(flags) != count:
+    raise ValueError(
+        f"qsgd_jax.zero_one_adam: mask has {len(flags)} leaves and the parameters {count}: "
+        "give one bool a leaf, in the parameters' structure (or a callable returning it).")
+  return [bool(flag) for flag in flags]
+
+
+def _all_finite(leaves) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else (
+      jnp.bool_(True))
+
+
+def _stats(variance_updated, exchanged, leaves: common.Leaves, layout: sign_exchange.SignLayout,
+           sizes: tuple[int, ...]) -> stats.CompressionStats:
+  """What the step sent: float32 at a variance update, else the 1-bit exchange where there was
+  one, and the float32 leaves (with the finiteness flag) every step."""
+  if not sizes:
+    return stats.make(0.0, 0.0, jnp.nan)
+  n, m = sizes[0], math.prod(sizes[1:])
+  num_float = leaves.elements("compressed") + leaves.elements("float32")
+  float32_bits = wire.float32_allreduce_bits(num_float, n * m)
+  small = wire.float32_allreduce_bits(leaves.elements("float32") + 1, n * m)
+  inner = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
+  onebit = layout.wire_bits() + inner + small
+  bits = jnp.where(variance_updated, float32_bits, jnp.where(exchanged, onebit, small))
+  return stats.make(bits, float32_bits, jnp.nan)
