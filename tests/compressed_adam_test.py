@@ -46,15 +46,37 @@ def _pmap_program(tx):
   return jax.pmap(tx.init, AXIS), jax.pmap(step, AXIS)
 
 
-def _pmap_steps(tx, params, grads, program=None):
-  """Runs ``tx`` under pmap; yields the parameters (``[N, ...]`` a leaf) after each step."""
-  init, step = program or _pmap_program(tx)
+def _pmap_steps(program, params, grads):
+  """Runs a :func:`_pmap_program` on ``grads`` from ``params``; yields the parameters
+  (``[N, ...]`` a leaf) and the state after each step."""
+  init, step = program
   p = [jnp.broadcast_to(x, (N, *x.shape)) for x in params]
   state = init(p)
   for g in grads:
     p, state = step(_stacked(g), state, p)
     jax.block_until_ready(p)
     yield p, state
+
+
+SCHEDULE = optax.linear_schedule(1e-2, 5e-3, STEPS)
+ONEBIT_OPTIONS = dict(freeze_step=3, weight_decay=0.01, bias_correction=False,
+                      min_compressed_size=100)
+ZERO_ONE_OPTIONS = dict(var_freeze_step=7, weight_decay=0.01, var_update_scaler=2,
+                        local_step_scaler=3)
+
+
+@functools.cache
+def _onebit():
+  """The 1-bit Adam that several tests run, and its compiled program (compiled once)."""
+  tx = qsgd_jax.onebit_adam(SCHEDULE, AXIS, **ONEBIT_OPTIONS)
+  return tx, _pmap_program(tx)
+
+
+@functools.cache
+def _zero_one(local_step_clipper: int):
+  tx = qsgd_jax.zero_one_adam(1e-2, AXIS, bias_correction=False, min_compressed_size=0,
+                              local_step_clipper=local_step_clipper, **ZERO_ONE_OPTIONS)
+  return tx, _pmap_program(tx)
 
 
 def _assert_close_to(p, reference, start, tolerance):
@@ -96,13 +118,10 @@ def test_sign_exchange_is_deepspeeds_compressed_allreduce_with_its_errors():
 
 def test_onebit_adam_is_deepspeeds_step_by_step_under_pmap():
   params, grads = _problem()
-  schedule = optax.linear_schedule(1e-2, 5e-3, STEPS)
-  tx = qsgd_jax.onebit_adam(schedule, AXIS, freeze_step=3, weight_decay=0.01,
-                            bias_correction=False, min_compressed_size=100)
   reference = ds.OnebitAdam(params, N, freeze_step=3, weight_decay=0.01,
                             non_freeze=[False, True, False], discard_first_call=False)
-  for t, (p, _) in enumerate(_pmap_steps(tx, params, grads)):
-    reference.step(grads[t], float(schedule(t)))
+  for t, (p, _) in enumerate(_pmap_steps(_onebit()[1], params, grads)):
+    reference.step(grads[t], float(SCHEDULE(t)))
     _assert_close_to(p, reference.params, params, 1e-5 if t < 3 else 1e-4)
     helpers.assert_replicas_identical(p)
 
@@ -151,12 +170,9 @@ def test_zero_one_adam_is_deepspeeds_step_by_step(local_step_clipper):
   """Variance intervals doubling, the freeze, then (with a clipper above 1) local steps."""
   steps = 18
   params, grads = _problem(seed=4, steps=steps, shapes=((24, 20), (150,)))
-  options = dict(var_freeze_step=7, weight_decay=0.01, var_update_scaler=2,
-                 local_step_scaler=3, local_step_clipper=local_step_clipper)
-  tx = qsgd_jax.zero_one_adam(1e-2, AXIS, bias_correction=False, min_compressed_size=0,
-                              **options)
-  reference = ds.ZeroOneAdam(params, N, discard_first_call=False, **options)
-  for t, (p, state) in enumerate(_pmap_steps(tx, params, grads)):
+  reference = ds.ZeroOneAdam(params, N, discard_first_call=False,
+                             local_step_clipper=local_step_clipper, **ZERO_ONE_OPTIONS)
+  for t, (p, state) in enumerate(_pmap_steps(_zero_one(local_step_clipper)[1], params, grads)):
     reference.step(grads[t], 1e-2)
     for k in range(N):
       _assert_close_to([x[k] for x in p], reference.params[k], params, 1e-5 if t < 7 else 1e-4)
@@ -183,15 +199,9 @@ def test_warm_up_is_optax_adamw_on_the_mean_gradient():
   adamw_step = jax.pmap(adamw_of_the_mean, AXIS)
   expected = [jnp.broadcast_to(x, (N, *x.shape)) for x in params]
   adamw_state = jax.pmap(adamw.init, AXIS)(expected)
-  for t, (p, _) in enumerate(_pmap_steps(tx, params, grads)):
+  for t, (p, _) in enumerate(_pmap_steps(_pmap_program(tx), params, grads)):
     expected, adamw_state = adamw_step(_stacked(grads[t]), adamw_state, expected)
     chex.assert_trees_all_close(p, expected, rtol=3e-7, atol=1e-9)
-
-
-def _frozen_pmap_state(tx, params):
-  """The state and parameters after enough steps to have frozen (``freeze_step=2``)."""
-  _, grads = _problem(seed=6, steps=4)
-  return list(_pmap_steps(tx, params, grads))[-1]
 
 
 def test_bytes_after_the_freeze_are_a_thirtieth_of_float32():
@@ -215,11 +225,10 @@ def test_bytes_after_the_freeze_are_a_thirtieth_of_float32():
 
 def test_a_host_copy_of_the_state_resumes_bit_for_bit():
   params, grads = _problem(seed=7)
-  make = functools.partial(qsgd_jax.onebit_adam, 1e-2, AXIS, freeze_step=2,
-                           min_compressed_size=100)
-  straight = list(_pmap_steps(make(), params, grads))
+  straight = list(_pmap_steps(_onebit()[1], params, grads))
   host = jax.device_get(straight[3])  # Parameters and state after four steps, on the host.
-  _, step = _pmap_program(make())  # A new transformation, as in a new process.
+  # A new transformation, as in a new process.
+  _, step = _pmap_program(qsgd_jax.onebit_adam(SCHEDULE, AXIS, **ONEBIT_OPTIONS))
   p, state = jax.tree.map(jnp.asarray, host)
   for t in range(4, STEPS):
     p, state = step(_stacked(grads[t]), state, p)
@@ -258,7 +267,8 @@ def test_auto_freeze_chooses_a_step_once_the_variance_settles():
   params, grads = _problem(seed=9, steps=12)
   tx = qsgd_jax.onebit_adam(1e-3, AXIS, freeze_step="auto", auto_freeze_window=3,
                             auto_freeze_tolerance=0.25, min_compressed_size=100)
-  counts = [int(state[0].freeze_count[0]) for _, state in _pmap_steps(tx, params, grads)]
+  counts = [int(state[0].freeze_count[0])
+            for _, state in _pmap_steps(_pmap_program(tx), params, grads)]
   chosen = counts[-1]
   assert 3 <= chosen < 12
   # Not chosen before; kept once chosen; then the steps send 1-bit momenta.
@@ -266,25 +276,28 @@ def test_auto_freeze_chooses_a_step_once_the_variance_settles():
       chosen}
 
 
-def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere():
-  params, grads = _problem(seed=10, steps=4)
+@pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])
+def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(optimizer):
+  """After the freeze; for 0/1 Adam at a local step, where nothing else is exchanged."""
+  if optimizer == "onebit_adam":
+    (_, program), shapes, steps = _onebit(), SHAPES, 5
+  else:
+    (_, program), shapes, steps = _zero_one(4), ((24, 20), (150,)), 19
+  params, grads = _problem(seed=10, steps=steps, shapes=shapes)
+  p, state = list(_pmap_steps(program, params, grads[:-1]))[-1]
+  if optimizer == "zero_one_adam":
+    assert steps % int(state.local_interval[0]) != 0  # The next step is a local one.
+  poisoned = [list(worker) for worker in grads[-1]]
+  poisoned[3][0] = poisoned[3][0].copy()
+  poisoned[3][0][1, 2] = np.nan
+  new_p, new_state = program[1](_stacked(poisoned), state, p)
+  chex.assert_trees_all_equal(new_p, p)
 
   def core(state):  # The optimizer's own state, without the stats (updated even when skipped).
     state = state if isinstance(state, qsgd_jax.ZeroOneAdamState) else state[0]
     return helpers.host_arrays(state._replace(stats=None))
 
-  for tx in (qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=2, min_compressed_size=100),
-             # Frozen from the second update, then local steps every other step.
-             qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=1, local_step_clipper=2,
-                                    local_step_scaler=1, min_compressed_size=100)):
-    program = _pmap_program(tx)
-    p, state = list(_pmap_steps(tx, params, grads, program))[-1]
-    poisoned = [list(worker) for worker in grads[-1]]
-    poisoned[3][0] = poisoned[3][0].copy()
-    poisoned[3][0][1, 2] = np.nan
-    new_p, new_state = program[1](_stacked(poisoned), state, p)
-    chex.assert_trees_all_equal(new_p, p)
-    chex.assert_trees_all_equal(core(new_state), core(state))
+  chex.assert_trees_all_equal(core(new_state), core(state))
 
 
 def test_dtypes_masks_and_small_leaves():

@@ -162,6 +162,15 @@ def test_steps_after_the_first_do_not_recompile():
   assert len(_TRACES) == traces
 
 
+def test_a_numpy_batch_is_split_over_the_mesh():
+  mesh, init, train_step, _ = _converted()
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  opt_state = init(params)
+  on_mesh = train_step(params, opt_state, _batch(mesh, 0))
+  as_numpy = train_step(params, opt_state, (np.asarray(INPUTS[0]), np.asarray(TARGETS[0])))
+  chex.assert_trees_all_equal(host_arrays(as_numpy), host_arrays(on_mesh))
+
+
 def test_abstract_state_is_what_init_and_step_return():
   mesh, init, train_step, abstract_state = _converted()
   params = jax.device_put(PARAMS, NamedSharding(mesh, P()))

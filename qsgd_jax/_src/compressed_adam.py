@@ -180,10 +180,6 @@ def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayou
       "for this mesh, or carry the error buffers over to the new device count.")
 
 
-def float_zeros_like(x, dtype=None) -> jax.Array:
-  return jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x))
-
-
 def zero_update(x) -> jax.Array:
   """The update of a leaf the optimizer does not change: zeros of its dtype (``float0`` kept)."""
   return np.zeros(jnp.shape(x), jax.dtypes.float0) if jnp.result_type(

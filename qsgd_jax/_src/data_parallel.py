@@ -4,6 +4,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,6 +60,11 @@ def data_parallel(
     for batch in batches:
       batch = jax.device_put(batch, NamedSharding(mesh, P("batch")))
       params, opt_state, loss = train_step(params, opt_state, batch)
+
+  The batch may be numpy arrays, or arrays laid out otherwise: ``step`` splits
+  it over the mesh (the whole batch is copied to the devices first; for large
+  batches, ``jax.device_put`` it with ``NamedSharding(mesh, P("batch"))``,
+  or in several processes ``jax.make_array_from_process_local_data``).
 
   ``step`` runs, under ``jax.shard_map`` over ``axis_name``:
 
@@ -164,6 +170,7 @@ def data_parallel(
 
   def step(params, opt_state, batch, *args):
     specs = state_specs(params)
+    batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
     return jax.shard_map(
         device_step, mesh=mesh,
         in_specs=(P(), specs, split, *(P() for _ in args)),
@@ -175,6 +182,22 @@ def data_parallel(
       step=jax.jit(step, donate_argnums=(0, 1) if donate else ()),
       abstract_state=abstract_state,
   )
+
+
+def _split(x, mesh: jax.sharding.Mesh, spec: P):
+  """``x`` split along its first dimension over the mesh, as ``step`` needs it.
+
+  A numpy batch, or an array laid out otherwise, enters ``jax.jit`` whole;
+  over explicit mesh axes the split is then a ``reshard`` (over automatic
+  axes the compiler places it where ``shard_map`` asks).
+  """
+  explicit = any(axis_type == jax.sharding.AxisType.Explicit for axis_type in mesh.axis_types)
+  if not explicit or jnp.ndim(x) == 0:
+    return x
+  sharding = jax.typeof(x).sharding
+  if isinstance(sharding, NamedSharding) and sharding.spec[:1] == spec[:1]:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
 def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:
