@@ -22,7 +22,10 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
+from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.minmax import MinMax
+from qsgd_jax._src.nearest_abs_max import NearestAbsMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.sharding import state_partition_specs
@@ -47,9 +50,11 @@ __all__ = (
     "Compressor",
     "DataParallel",
     "EliasSize",
+    "FlatShard",
     "Identity",
     "LowPrecisionDecentralizedState",
     "MinMax",
+    "NearestAbsMax",
     "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
@@ -64,9 +69,13 @@ __all__ = (
     "consensus_distance",
     "data_parallel",
     "elias",
+    "fsdp_gather",
+    "fsdp_remat_policy",
+    "fsdp_shard",
     "low_precision_decentralized",
     "onebit_sgd",
     "qsgd",
+    "quantized_all_gather",
     "quantized_pmean",
     "quantized_psum",
     "quantized_psum_scatter",

@@ -13,16 +13,24 @@ made it (through casts, reshapes, scalings and sums, and into the bodies of
 ``jit``, ``checkpoint``, ``scan`` and custom-derivative calls) and raises where
 it meets a reduce-scatter over the axis. (It does not look for ``psum``: under
 ``jax.pmap`` the transpose of the ``pmean`` of a loss is a ``psum`` of its
-cotangent, which a legitimate per-device gradient can be scaled by.)
+cotangent, which a legitimate per-device gradient can be scaled by.) The
+library's own reduce-scatter runs in a named scope (:func:`scope`), so its
+result, :func:`qsgd_jax.fsdp_gather`'s gradient among others, is found the
+same way.
 
 It reads the tracer's producing equation, which JAX keeps while tracing
 (``DynamicJaxprTracer.parent``): outside a trace, or where a JAX version
 keeps no such link, it finds nothing and raises nothing, never wrongly.
 """
 
+import re
+
 import jax
 
 from qsgd_jax._src import axes as axes_lib
+
+_SCOPE = "qsgd_jax_psum_scatter"
+_SCOPE_PATTERN = re.compile(_SCOPE + r"\[([^\]]*)\]")
 
 # Reduce-scatters: what autodiff makes of an all-gather.
 _REDUCING = frozenset({"reduce_scatter", "unreduced_reduce_scatter", "reduce_scatter_start"})
@@ -44,6 +52,12 @@ _BODIES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
 _MAX_STEPS = 256
 
 
+def scope(axes: axes_lib.Axes) -> str:
+  """The name scope of the library's reduce-scatter over ``axes``, which :func:`reduced_by`
+  recognizes in the equations it made."""
+  return f"{_SCOPE}[{','.join(axes.names)}]"
+
+
 def check_not_reduced(tree, axes: axes_lib.Axes, owner: str) -> None:
   """Raises where a leaf of ``tree`` was reduce-scattered over one of ``axes`` already.
 
@@ -61,14 +75,20 @@ def check_not_reduced(tree, axes: axes_lib.Axes, owner: str) -> None:
     if found is None:
       continue
     primitive, axis = found
+    leaf_name = jax.tree_util.keystr(path) or "<root>"
+    if primitive == _SCOPE:
+      raise ValueError(
+          f"{owner}: leaf {leaf_name} is already the result of the library's quantized "
+          f"reduce-scatter over axis {axis!r} (the gradient of qsgd_jax.fsdp_gather is one), "
+          "so reducing it again would count it n times: drop this call.")
     raise ValueError(
-        f"{owner}: leaf {jax.tree_util.keystr(path) or '<root>'} was already summed over axis "
-        f"{axis!r} by a {primitive} in the traced program, so reducing it again would count "
-        "it n times. Differentiating through jax.lax.all_gather (as JAX's FSDP tutorial "
-        "does) makes autodiff reduce-scatter the gradient in float32 itself: gather the "
-        f"shards with qsgd_jax.fsdp_gather(shards, {axes.name!r}) instead, whose gradient is "
-        "the compressed reduce-scatter, and drop this call; or differentiate with respect "
-        "to the gathered parameters, not the shards, and keep it.")
+        f"{owner}: leaf {leaf_name} was already summed over axis {axis!r} by a {primitive} "
+        "in the traced program, so reducing it again would count it n times. "
+        "Differentiating through jax.lax.all_gather (as JAX's FSDP tutorial does) makes "
+        "autodiff reduce-scatter the gradient in float32 itself: gather the shards with "
+        f"qsgd_jax.fsdp_gather(shards, {axes.name!r}) instead, whose gradient is the "
+        "compressed reduce-scatter, and drop this call; or differentiate with respect to "
+        "the gathered parameters, not the shards, and keep it.")
 
 
 def reduced_by(leaf, names: frozenset) -> tuple[str, str] | None:
@@ -114,6 +134,11 @@ def _walk_tracing(eqn, k, names, steps):
 def _at_equation(eqn, k, names, steps):
   """What equation ``eqn``'s output ``k`` says: a finding, ``None``, or ``"inputs"`` (look at
   its inputs; for a body, those of output ``k`` that lead out of it)."""
+  stack = str(getattr(getattr(eqn, "source_info", None), "name_stack", ""))
+  for match in _SCOPE_PATTERN.finditer(stack):
+    common = frozenset(match.group(1).split(",")) & names
+    if common:
+      return _SCOPE, sorted(common)[0]
   name = eqn.primitive.name
   if name in _REDUCING:
     common = _axes_of(eqn.params) & names

@@ -202,6 +202,11 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   """
   axes_lib.check_varying(tree, plan.axes, plan.owner)
   provenance.check_not_reduced(tree, plan.axes, plan.owner)
+  with jax.named_scope(provenance.scope(plan.axes)):  # Marks the result as reduced.
+    return _reduce_scatter_in_scope(plan, tree, key)
+
+
+def _reduce_scatter_in_scope(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   everyone = plan.axes.names
