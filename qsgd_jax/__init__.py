@@ -1,9 +1,11 @@
 """qsgd_jax: quantized gradient communication for JAX.
 
 Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
-:class:`OneBit`, :class:`Cast`, :class:`Identity`), the Elias omega codec
-(:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
-:func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
+:class:`NearestAbsMax`, :class:`OneBit`, :class:`Cast`, :class:`Identity`), the
+Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
+(:func:`quantized_psum`, :func:`quantized_pmean`, :func:`quantized_psum_scatter`,
+:func:`quantized_all_gather`, :func:`wire_bytes`), FSDP compressed both ways
+(:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), and a
 ``jax.jit`` training step over a mesh that uses them (:func:`data_parallel`).

@@ -9,6 +9,7 @@ import doctest
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,6 +333,48 @@ def test_hpz_gathers_only_over_the_inner_axis_in_the_backward_pass():
   assert found[3:] == _planned(planned)
   # Across nodes: the forward's 8-bit gather and a quarter of the gradient at 4 bits.
   assert planned.outer_wire_bits / 8 == found[4][2]
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Dense(200)(x))
+
+
+class _Model(nn.Module):
+  """Flax linen: each block's parameters gathered inside it (``nn.map_variables``), under
+  ``nn.remat``."""
+
+  gather: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    def gather(variables):
+      return qsgd_jax.fsdp_gather(variables, AXIS) if self.gather else variables
+
+    for i in range(3):
+      block = nn.remat(nn.map_variables(_Block, "params", trans_in_fn=gather, init=True),
+                       policy=qsgd_jax.fsdp_remat_policy)
+      x = block(name=f"block{i}")(x)
+    return nn.Dense(10)(x)
+
+
+def test_flax_blocks_gather_their_parameters_under_nn_remat():
+  params = _Model(gather=False).init(jax.random.key(0), jnp.zeros((1, 60)))["params"]
+  shards = qsgd_jax.fsdp_shard(params, MESH, AXIS)  # 60 rows of block0: a FlatShard.
+  assert isinstance(shards["block0"]["Dense_0"]["kernel"], qsgd_jax.FlatShard)
+
+  def loss(shards, x):
+    return jax.lax.pmean(jnp.mean(_Model().apply({"params": shards}, x) ** 2), AXIS)
+
+  x = jax.ShapeDtypeStruct((64, 60), jnp.float32, sharding=NamedSharding(MESH, P(AXIS)))
+  with jax.set_mesh(MESH):
+    grads = jax.jit(jax.grad(jax.shard_map(loss, mesh=MESH, out_specs=P())))
+    lowered = grads.lower(shards, x)
+  found = [c[0] for c in _hlo_collectives(lowered)]
+  # Three blocks gather forward, the last two again backward; three gradients scattered.
+  assert found.count("all-gather") == 5 and found.count("all-to-all") == 3
+  assert jax.tree.structure(lowered.out_info) == jax.tree.structure(shards)
 
 
 # Bad input.

@@ -273,6 +273,8 @@ def fsdp_gather(
         raise ValueError(f"{owner}: leaf {path} of shape {leaf.shape} has no dimension {axis}.")
       internal.append(jnp.moveaxis(leaf, axis, 0))
       flat_shapes.append(None)
+  if not internal:  # Every leaf replicated: nothing to gather.
+    return shards
   out = list(leaves)
   config = _Config(axes, forward, backward, min_compressed_size, tuple(flat_shapes))
   whole = iter(_gather(config, None if key is None else base.as_key(key), internal))
@@ -340,10 +342,12 @@ def _replicated(leaf, axes: axes_lib.Axes, path: str | None, owner: str) -> bool
   return len(missing) == len(axes.names)
 
 
-def _keys(key, shards: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _keys(config: _Config, key, shards: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
   """The forward's and the backward's keys: from ``key``, or from the bits of this device's
   shards (they change every step, and are the same when the forward is recomputed)."""
-  if key is None:
+  if key is None and config.forward.deterministic and config.backward.deterministic:
+    key = jax.random.key(0)  # Unused.
+  elif key is None:
     fingerprint = jnp.zeros((), jnp.uint32)
     for k, shard in enumerate(shards):
       bits = jax.lax.bitcast_convert_type(shard.astype(jnp.float32), jnp.uint32)
@@ -359,7 +363,7 @@ def _gather(config: _Config, key, shards: list[jax.Array]) -> list[jax.Array]:
 
 
 def _gather_forward(config: _Config, key, shards):
-  forward_key, backward_key = _keys(key, shards)
+  forward_key, backward_key = _keys(config, key, shards)
   gather_plan = gather.make_gather_plan(
       shards, config.axes.name, config.forward, axis=0, tiled=True,
       min_compressed_size=_shard_threshold(config), owner="fsdp_gather")
