@@ -36,13 +36,14 @@ class NearestAbsMax(qsgd.QSGD):
 
   ZeRO++'s qwZ (DeepSpeed, ``deepspeed/runtime/zero/partition_parameters.py``,
   ``CUDAQuantizer``; kernels in ``csrc/includes/quantization_utils.h``)
-  quantizes weights the same way: symmetric, 8 bits, groups of about 4000 to
-  16000 elements, each with its largest magnitude, rounded to nearest
+  quantizes weights the same way: symmetric, 8 bits, each group of a
+  flattened parameter (at most about 8000 elements, its ``target_group_size``,
+  and a multiple of 8) scaled by its largest magnitude, rounded to nearest
   (``__float2int_rn``). Its step is :math:`M / 2^{b-1}` and its codes are
-  two's complement in :math:`[-2^{b-1}, 2^{b-1} - 1]`, so a bucket's largest
-  positive value is clipped one step; here the step is :math:`M / s`, the
-  codes are sign and magnitude (:class:`~qsgd_jax.QSGD`'s packing), and no
-  value is clipped.
+  two's complement in :math:`[-2^{b-1}, 2^{b-1} - 1]`, so a group's largest
+  positive value is clipped, a whole step off; here the step is
+  :math:`M / s`, the codes are sign and magnitude (:class:`~qsgd_jax.QSGD`'s
+  packing), and no value is clipped.
 
   On the wire: ``bits`` bits a coordinate, bit-packed into ``uint32`` words,
   and one float32 scale a bucket: 8.016 bits a coordinate for the default
