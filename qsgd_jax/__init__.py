@@ -1,9 +1,11 @@
 """qsgd_jax: quantized gradient communication for JAX.
 
 Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
-:class:`OneBit`, :class:`Cast`, :class:`Identity`), the Elias omega codec
-(:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
-:func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
+:class:`NearestAbsMax`, :class:`OneBit`, :class:`Cast`, :class:`Identity`), the
+Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
+(:func:`quantized_psum`, :func:`quantized_pmean`, :func:`quantized_psum_scatter`,
+:func:`quantized_all_gather`, :func:`wire_bytes`), FSDP compressed both ways
+(:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
 that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
@@ -24,7 +26,10 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
+from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.minmax import MinMax
+from qsgd_jax._src.nearest_abs_max import NearestAbsMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
 from qsgd_jax._src.qsgd import QSGD, EliasSize
@@ -51,9 +56,11 @@ __all__ = (
     "Compressor",
     "DataParallel",
     "EliasSize",
+    "FlatShard",
     "Identity",
     "LowPrecisionDecentralizedState",
     "MinMax",
+    "NearestAbsMax",
     "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
@@ -70,10 +77,14 @@ __all__ = (
     "consensus_distance",
     "data_parallel",
     "elias",
+    "fsdp_gather",
+    "fsdp_remat_policy",
+    "fsdp_shard",
     "low_precision_decentralized",
     "onebit_adam",
     "onebit_sgd",
     "qsgd",
+    "quantized_all_gather",
     "quantized_pmean",
     "quantized_psum",
     "quantized_psum_scatter",

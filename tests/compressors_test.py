@@ -310,6 +310,7 @@ COMPRESSORS = {
     "qsgd3levels_l2_bucket100": qsgd_jax.QSGD(levels=3, bucket_size=100, norm="l2"),
     "minmax8_bucket512": qsgd_jax.MinMax(bits=8),
     "minmax5_bucket100": qsgd_jax.MinMax(bits=5, bucket_size=100),
+    "nearest_abs_max8_bucket512": qsgd_jax.NearestAbsMax(bits=8, bucket_size=512),
     "nearest8_whole": qsgd_jax.NearestZeroAlignedMinMax(),
     "nearest3_bucket100": qsgd_jax.NearestZeroAlignedMinMax(bits=3, bucket_size=100),
     "onebit_bucket512": qsgd_jax.OneBit(bucket_size=512),

@@ -22,6 +22,10 @@ library or compare statistics.
   ``horovod/tensorflow/mpi_ops.cc``, ``mpi_ops_gpu.cu.cc``).
 * :func:`qsgd_quantize` and :func:`qsgd_all_gather_mean`: Algorithm 1 of
   Alistarh et al., QSGD (NeurIPS 2017).
+* :func:`zeropp_symmetric_quantize`: ZeRO++'s weight quantizer, qwZ
+  (deepspeedai/DeepSpeed, ``csrc/includes/quantization_utils.h``,
+  ``csrc/includes/conversion_utils.h``,
+  ``deepspeed/runtime/zero/partition_parameters.py``).
 """
 
 from collections.abc import Sequence
@@ -427,3 +431,32 @@ def qsgd_all_gather_mean(gradients, uniforms, levels: int, bucket_size: int | No
   decoded = [qsgd_quantize(g, u, levels, bucket_size, norm) for g, u in zip(gradients, uniforms,
                                                                             strict=True)]
   return np.mean(decoded, axis=0)
+
+
+# DeepSpeed ZeRO++.
+
+
+def zeropp_symmetric_quantize(group, num_bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+  """ZeRO++'s symmetric quantization of one group of weights (qwZ), and its decoding.
+
+  DeepSpeed at ab9dfcb: ``CUDAQuantizer.quantize`` (``partition_parameters.py``)
+  quantizes a flattened parameter in groups of about 8000 elements, 8 bits,
+  ``Symmetric``. ``Params<Type::Symmetric, numBits>`` (``quantization_utils.h``,
+  lines 51-95): the scale is ``2**num_bits / (2 * max|x|)``, 1 for a zero
+  group; a value becomes ``conversion::to<int32_t>(x * scale)``, which is
+  ``__float2int_rn``, round to nearest even (``conversion_utils.h``), clamped
+  to ``[-2**(num_bits - 1), 2**(num_bits - 1) - 1]``; the group stores
+  ``1 / scale``, and a code decodes to ``q * (1 / scale)``.
+
+  Args:
+    group: float32 vector, one group.
+    num_bits: 8 (or 4).
+
+  Returns:
+    ``(codes, decoded)``: int32 codes and float32 decoded values.
+  """
+  group = np.asarray(group, np.float32)
+  largest = np.float32(np.abs(group).max())
+  scale = np.float32(1.0) if largest == 0 else np.float32(2**num_bits) / (np.float32(2) * largest)
+  codes = np.clip(np.rint(group * scale), -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1)
+  return codes.astype(np.int32), codes.astype(np.float32) * (np.float32(1) / scale)

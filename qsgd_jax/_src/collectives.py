@@ -156,7 +156,7 @@ def quantized_pmean(
 
 def quantized_psum_scatter(
     tree,
-    axis_name: str,
+    axis_name: axes.AxisName,
     compressor: base.Compressor,
     key: jax.Array,
     *,
@@ -178,17 +178,34 @@ def quantized_psum_scatter(
   :func:`quantized_psum`'s two-phase method, and one quantization instead of
   two. Unbiased for an unbiased compressor.
 
+  A leaf whose ``scatter_dimension`` the devices do not divide is zero-padded
+  to ``n`` whole shards of ``ceil(size / n)``; the padding is exactly zero in
+  the result (the shards of :class:`~qsgd_jax.FlatShard` are made so).
+
+  Over ``(outer, inner)`` axes, device ``i * m + j`` (outer index ``i`` of
+  ``n``, inner ``j`` of ``m``, as ``P(("outer", "inner"))`` places shards) gets
+  shard ``i * m + j``: the leaves are reduce-scattered in float32 over the fast
+  inner axes first (device ``j`` keeps the ``n`` shards ``i * m + j``), and only
+  that ``1/m`` of the gradient crosses the outer axis, quantized.
+
+  A gradient that autodiff has already reduced is an error at trace time:
+  under ``jax.shard_map``, one taken with respect to replicated values
+  (already summed), and, in a traced program, one that comes out of a
+  ``psum_scatter`` over the axis, which is what autodiff makes of
+  differentiating through ``jax.lax.all_gather`` (gather with
+  :func:`~qsgd_jax.fsdp_gather` instead: its gradient is this reduce-scatter).
+
   Args:
     tree: a pytree of arrays, as for :func:`quantized_psum`; every leaf must
-      split into ``n`` shards along ``scatter_dimension``.
-    axis_name: one mapped axis name.
+      have ``scatter_dimension`` (of size ``n`` where not ``tiled``).
+    axis_name: a mapped axis name, or ``(outer, inner, ...)``.
     compressor: a :class:`~qsgd_jax.Compressor`. A compressor that quantizes
       rows (``OneBit(bucket_size=None)``) sees each shard with the scatter
       dimension first.
     key: a PRNG key, the same on every device.
     scatter_dimension: the dimension to split, as in ``jax.lax.psum_scatter``.
-    tiled: keep that dimension, of ``size / n`` (``True``), or remove it
-      (``False``: it must have size ``n``), as in ``jax.lax.psum_scatter``.
+    tiled: keep that dimension, of ``ceil(size / n)`` (``True``), or remove
+      it (``False``: it must have size ``n``), as in ``jax.lax.psum_scatter``.
     min_compressed_size: float leaves with fewer elements are reduce-scattered
       in float32.
 
@@ -197,8 +214,9 @@ def quantized_psum_scatter(
     dtype.
 
   Raises:
-    ValueError: a leaf does not split into ``n`` shards, ``axis_name`` is not
-      one axis, or under ``jax.shard_map`` a float leaf is replicated over it.
+    ValueError: a leaf lacks ``scatter_dimension`` (or, untiled, it is not of
+      size ``n``), a float leaf is replicated over the axes (under
+      ``jax.shard_map``), or a leaf was reduce-scattered over them already.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax

@@ -54,7 +54,8 @@ def segment_parts(plan: ReductionPlan, leaves: list[jax.Array]) -> list[tuple[ja
   at the end is left out (:func:`block_parts` adds it).
   """
   if plan.method == REDUCE_SCATTER:
-    raise ValueError("A reduce-scatter segment holds shards of its leaves: use segment_vectors.")
+    raise ValueError(
+        "A reduce-scatter segment holds shards of its leaves: use scatter_segment_vectors.")
   out = []
   for segment in plan.segments:
     parts = []
@@ -142,9 +143,13 @@ def _concatenate(parts: tuple[jax.Array, ...]) -> jax.Array:
 
 
 def segment_vectors(plan: ReductionPlan, leaves: list[jax.Array]) -> list[jax.Array]:
-  """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded)."""
+  """Each segment's ``float32[full_length]``, from the tree's leaves (zero-padded).
+
+  For the reduce-scatter over one axis, the rows of :func:`scatter_segment_vectors`.
+  """
   if plan.method == REDUCE_SCATTER:
-    return [_shard_rows(plan, segment, leaves) for segment in plan.segments]
+    return scatter_segment_vectors(plan, {
+        i: scatter_rows(plan, i, leaves[i].astype(jnp.float32)) for i in plan.compressed})
   return [end_to_end([leaves[i].astype(jnp.float32).reshape(-1) for i in segment.leaves],
                      segment.offsets, segment.full_length)
           for segment in plan.segments]
@@ -188,15 +193,25 @@ def output_leaf(plan: ReductionPlan, i: int, flat: jax.Array) -> jax.Array:
   return flat.reshape(shape)
 
 
-def scatter_rows(plan: ReductionPlan, leaf: jax.Array) -> jax.Array:
-  """Reduce-scatter: ``[n, shard size]``, row ``j`` the leaf's shard ``j`` (dimension first)."""
-  return jnp.moveaxis(leaf, plan.scatter_dimension, 0).reshape(plan.outer_size, -1)
+def scatter_rows(plan: ReductionPlan, i: int, leaf: jax.Array) -> jax.Array:
+  """Reduce-scatter: ``[n, shard size]``, row ``j`` shard ``j`` of leaf ``i`` (dimension first).
+
+  ``n`` counts every device of the plan's axes; a tiled leaf is zero-padded
+  along the scatter dimension to ``n`` whole shards first.
+  """
+  rows = jnp.moveaxis(leaf, plan.scatter_dimension, 0)
+  if plan.tiled and rows.shape[0] % plan.num_devices:
+    padding = plan.num_devices * plan.shard_rows(i) - rows.shape[0]
+    rows = jnp.concatenate([rows, jnp.zeros((padding, *rows.shape[1:]), rows.dtype)])
+  return rows.reshape(plan.num_devices, -1)
 
 
-def _shard_rows(plan: ReductionPlan, segment, leaves: list[jax.Array]) -> jax.Array:
-  """A reduce-scatter segment: its leaves' shards end to end in ``n`` rows, flattened."""
-  rows = [scatter_rows(plan, leaves[i].astype(jnp.float32)) for i in segment.leaves]
-  return end_to_end(rows, segment.offsets, segment.length // plan.outer_size).reshape(-1)
+def scatter_segment_vectors(plan: ReductionPlan, rows: dict[int, jax.Array]) -> list[jax.Array]:
+  """Each reduce-scatter segment, ``float32[length]``: ``n`` rows (one an outer device) of its
+  leaves' shards end to end, from each compressed leaf's ``[n, shard size]``."""
+  return [end_to_end([rows[i] for i in segment.leaves], segment.offsets,
+                     segment.length // plan.outer_size).reshape(-1)
+          for segment in plan.segments]
 
 
 def join(plan: ReductionPlan, vectors: list[jax.Array]) -> list[jax.Array]:

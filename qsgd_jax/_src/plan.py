@@ -28,6 +28,13 @@ With ``n`` devices on the outer axis and ``m`` on the inner ones:
   ``"all_gather"`` quantize it whole;
 * the quantized arrays are batched into :class:`Block` s, one encode each: a
   segment of runs alone, whole-array segments of one length stacked.
+
+Two plans of their own serve FSDP: the reduce-scatter
+(:func:`~qsgd_jax.quantized_psum_scatter`) lays each leaf out as its ``n * m``
+shards, zero-padded to whole shards, summed in float32 over the inner axes
+first; the all-gather (:func:`~qsgd_jax.quantized_all_gather`) encodes the
+shards a device holds, whole, and sends their words with those of the leaves
+it does not compress in one all-gather an axis level.
 """
 
 import dataclasses
@@ -46,6 +53,8 @@ Method = Literal["two_phase", "psum", "all_gather"]
 METHODS = ("two_phase", "psum", "all_gather")
 # The quantized reduce-scatter of quantized_psum_scatter: the two-phase method's first phase.
 REDUCE_SCATTER = "reduce_scatter"
+# The quantized all-gather of quantized_all_gather: each device's payload to every device.
+GATHER = "gather"
 
 # Leaves under this many elements go in full precision. Padding a leaf to whole
 # buckets on every device costs up to n * bucket_size elements, and a tiny
@@ -67,7 +76,9 @@ class PlannedCollective(NamedTuple):
       ``"inner reduce-scatter"``,
       ``"inner all-gather"``, ``"first phase"`` and ``"second phase"``
       (the two-phase method's packed payloads), ``"payloads"`` (the
-      all-gather method's), ``"shared scales"`` or ``"code sums"``.
+      all-gather method's, and the all-gather's over the outer axis),
+      ``"inner payloads"`` (the all-gather's over the inner axes),
+      ``"shared scales"`` or ``"code sums"``.
   """
 
   kind: str
@@ -144,13 +155,17 @@ class ReductionPlan:
       (an ``init`` outside the mapped function), and then the decisions that
       depend on it raise a ``ValueError`` saying how to give it.
     compressor: the compressor.
-    method: ``"two_phase"``, ``"psum"``, ``"all_gather"``, or
-      ``"reduce_scatter"`` for :func:`~qsgd_jax.quantized_psum_scatter`.
+    method: ``"two_phase"``, ``"psum"``, ``"all_gather"``,
+      ``"reduce_scatter"`` for :func:`~qsgd_jax.quantized_psum_scatter`, or
+      ``"gather"`` for :func:`~qsgd_jax.quantized_all_gather` (then the
+      leaves are the shards each device holds).
     min_compressed_size: float leaves with fewer elements go in float32.
     owner: the public function this plan serves, named in errors.
-    scatter_dimension: the reduce-scatter's dimension of every leaf.
-    tiled: the reduce-scatter keeps that dimension (of ``size / n``) rather
-      than removing it (of size ``n``).
+    scatter_dimension: the reduce-scatter's dimension of every leaf, or the
+      all-gather's ``axis``.
+    tiled: the reduce-scatter keeps that dimension (of ``ceil(size / n)``,
+      padded) rather than removing it (of size ``n``); the all-gather
+      concatenates the shards along ``axis`` rather than stacking them.
     exact_own_piece: in the two-phase method's first phase, each device adds
       its own piece unquantized (it never crosses the wire); ``False``
       quantizes it like the others, as CNTK does by default.
@@ -220,21 +235,30 @@ class ReductionPlan:
     return self._indices("compressed")
 
   def output_shape(self, i: int) -> tuple[int, ...]:
-    """Leaf ``i``'s shape in the result: its shape, or its shard's for the reduce-scatter."""
-    shape = self.leaf_shapes[i]
+    """Leaf ``i``'s shape in the result: its shape, its shard's for the reduce-scatter, or
+    the gathered shape for the all-gather."""
+    shape, d, n = self.leaf_shapes[i], self.scatter_dimension, self.num_devices
+    if self.method == GATHER:
+      if self.tiled:
+        return (*shape[:d], n * shape[d], *shape[d + 1:])
+      return (*shape[:d], n, *shape[d:])
     if self.method != REDUCE_SCATTER:
       return shape
-    d = self.scatter_dimension
     if self.tiled:
-      return (*shape[:d], shape[d] // self.outer_size, *shape[d + 1:])
+      return (*shape[:d], self.shard_rows(i), *shape[d + 1:])
     return (*shape[:d], *shape[d + 1:])
+
+  def shard_rows(self, i: int) -> int:
+    """Tiled reduce-scatter: rows of leaf ``i`` a shard, ``ceil(size / n)`` along the
+    scatter dimension (the leaf zero-padded to ``n`` whole shards)."""
+    return -(-self.leaf_shapes[i][self.scatter_dimension] // self.num_devices)
 
   def _shard_rows_shape(self, i: int) -> tuple[int, ...]:
     """Reduce-scatter: a shard of leaf ``i`` with the scatter dimension first."""
     shape = self.leaf_shapes[i]
     d = self.scatter_dimension
     rest = (*shape[:d], *shape[d + 1:])
-    return (shape[d] // self.outer_size, *rest) if self.tiled else rest
+    return (self.shard_rows(i), *rest) if self.tiled else rest
 
   @functools.cached_property
   def segments(self) -> tuple[Segment, ...]:
@@ -245,7 +269,7 @@ class ReductionPlan:
       shape = self._shard_rows_shape(i) if scatter else self.leaf_shapes[i]
       run = self.compressor.bucket_length(shape)
       groups.setdefault(("leaf", i) if run is None else ("run", run), (run, []))[1].append(i)
-    m = self.inner_size
+    m = 1 if self.method == GATHER else self.inner_size  # A gather's shards stay whole.
     segments = []
     for run, leaves in groups.values():
       unit = run or 1
@@ -289,6 +313,12 @@ class ReductionPlan:
                  for block, template in zip(self.blocks, self.block_templates, strict=True))
 
   @functools.cached_property
+  def raw_words(self) -> int:
+    """Gather: ``uint32`` words of the leaves sent as they are (integer, small float)."""
+    return sum(serialize.num_words(jax.ShapeDtypeStruct(self.leaf_shapes[i], self.leaf_dtypes[i]))
+               for i in (*self.integer, *self.full_precision))
+
+  @functools.cached_property
   def sum_dtype(self) -> np.dtype:
     """Psum: the narrowest integer type that holds a sum of every device's codes."""
     low, high = self.compressor.code_range
@@ -307,9 +337,17 @@ class ReductionPlan:
     """Every collective the reduction issues, in program order."""
     if self.axes.is_local:
       return ()
-    f32, u32 = np.dtype(np.float32), np.dtype(np.uint32)
+    f32 = np.dtype(np.float32)
     m, n, everyone = self.inner_size, self.outer_size, self.num_devices
     scatter = self.method == REDUCE_SCATTER
+    u32 = np.dtype(np.uint32)
+    if self.method == GATHER:  # Every leaf's words, in one all-gather an axis level.
+      words = sum(self.block_words) + self.raw_words
+      planned = [PlannedCollective("all-gather", u32, (n, words), n, "outer", "payloads")]
+      if self.axes.inner:
+        planned.append(PlannedCollective("all-gather", u32, (m, n, words), m, "inner",
+                                         "inner payloads"))
+      return tuple(planned)
     planned = []
     for i in self.integer:
       kind = "reduce-scatter" if scatter else "all-reduce"
@@ -321,7 +359,10 @@ class ReductionPlan:
       planned.append(PlannedCollective(kind, f32, (size,), everyone, "all", "float32 leaves"))
     if not self.compressed:
       return tuple(planned)
-    inner_elements = sum(segment.length for segment in self.segments)
+    if scatter:  # Every compressed leaf's n rows of shards, summed over the inner axes first.
+      inner_elements = n * sum(math.prod(self._shard_rows_shape(i)) for i in self.compressed)
+    else:
+      inner_elements = sum(segment.length for segment in self.segments)
     if self.axes.inner:
       planned.append(PlannedCollective("reduce-scatter", f32, (inner_elements,), m, "inner",
                                        "inner reduce-scatter"))
@@ -341,7 +382,7 @@ class ReductionPlan:
                                        "shared scales"))
       planned.append(PlannedCollective("all-reduce", self.sum_dtype, (codes,), n, "outer",
                                        "code sums"))
-    if self.axes.inner:
+    if self.axes.inner and not scatter:
       planned.append(PlannedCollective("all-gather", f32, (m, inner_elements), m, "inner",
                                        "inner all-gather"))
     return tuple(planned)
@@ -428,14 +469,15 @@ def make_plan(
     tree: a pytree of arrays or ``jax.ShapeDtypeStruct``.
     axis_name: a mapped axis name, ``(outer, inner, ...)``, or ``None``.
     compressor: a :class:`~qsgd_jax.Compressor`.
-    method: one of :data:`METHODS`, or ``"reduce_scatter"`` (only
-      ``quantized_psum_scatter`` asks for it; public entry points call
-      :func:`check_method` first).
+    method: one of :data:`METHODS`, ``"reduce_scatter"`` or ``"gather"``
+      (only ``quantized_psum_scatter`` and ``quantized_all_gather`` ask for
+      them; public entry points call :func:`check_method` first).
     min_compressed_size: float leaves with fewer elements go in float32.
     axis_sizes: sizes by axis name, ``None`` for one not known. Without it,
       every axis must be bound (``jax.lax.axis_size``).
     owner: the public function asking, named in errors.
-    scatter_dimension, tiled: the reduce-scatter's, as ``jax.lax.psum_scatter``'s.
+    scatter_dimension, tiled: the reduce-scatter's, as ``jax.lax.psum_scatter``'s, or
+      the all-gather's ``axis`` and ``tiled``, as ``jax.lax.all_gather``'s.
     exact_own_piece: see :class:`ReductionPlan`.
 
   Returns:
@@ -444,7 +486,8 @@ def make_plan(
   Raises:
     TypeError: ``compressor`` is not a compressor.
     ValueError: an unknown ``method``, ``"psum"`` with a compressor that has
-      no shared-scale form, or a leaf the reduce-scatter cannot split.
+      no shared-scale form, or a leaf the reduce-scatter cannot split (the
+      all-gather cannot join).
     NameError: an axis is neither bound nor in ``axis_sizes``.
   """
   if not isinstance(compressor, base.Compressor):
@@ -452,7 +495,7 @@ def make_plan(
         f"{owner}: compressor must be a qsgd_jax.Compressor, got "
         f"{type(compressor).__name__}: {compressor!r}."
     )
-  if method not in (*METHODS, REDUCE_SCATTER):
+  if method not in (*METHODS, REDUCE_SCATTER, GATHER):
     raise ValueError(f"{owner}: method must be one of {METHODS}, got {method!r}.")
   if (not isinstance(min_compressed_size, int | np.integer)
       or isinstance(min_compressed_size, bool) or min_compressed_size < 0):
@@ -472,12 +515,13 @@ def make_plan(
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   shapes = tuple(tuple(jnp.shape(leaf)) for _, leaf in leaves)
   dtypes = tuple(np.dtype(jnp.result_type(leaf)) for _, leaf in leaves)
-  if method == REDUCE_SCATTER:
-    if axes.inner or axes.is_local:
-      raise ValueError(f"{owner}: axis_name must be one mapped axis, got {axis_name!r}.")
+  if method in (REDUCE_SCATTER, GATHER):
+    if axes.is_local:
+      raise ValueError(f"{owner}: axis_name must name a mapped axis, got {axis_name!r}.")
+    check = _check_scatter if method == REDUCE_SCATTER else _check_gather
     for path, shape in zip((p for p, _ in leaves), shapes, strict=True):
-      _check_scatter(shape, scatter_dimension, tiled, sizes[0], owner,
-                     jax.tree_util.keystr(path) or "<root>")
+      check(shape, scatter_dimension, tiled, math.prod(sizes), owner,
+            jax.tree_util.keystr(path) or "<root>")
   if not isinstance(exact_own_piece, bool):
     raise TypeError(f"{owner}: exact_own_piece must be a bool, got {exact_own_piece!r}.")
   return _cached_plan(shapes, dtypes, axes, sizes, compressor, method, min_compressed_size,
@@ -485,20 +529,25 @@ def make_plan(
 
 
 def _check_scatter(shape, dimension: int, tiled: bool, n: int, owner: str, name: str) -> None:
-  """Raises unless a leaf of ``shape`` splits into ``n`` shards along ``dimension``."""
+  """Raises unless a leaf of ``shape`` splits into ``n`` shards along ``dimension`` (padded
+  to whole shards where tiled)."""
   if not 0 <= dimension < len(shape):
     raise ValueError(
         f"{owner}: leaf {name} of shape {shape} has no dimension {dimension}: "
         f"scatter_dimension={dimension} is out of range.")
-  if tiled and shape[dimension] % n:
-    raise ValueError(
-        f"{owner}: leaf {name} has {shape[dimension]} elements along scatter_dimension="
-        f"{dimension}, not a multiple of the axis size {n}; pad it, or reduce it with "
-        "quantized_psum.")
   if not tiled and shape[dimension] != n:
     raise ValueError(
         f"{owner}: with tiled=False, leaf {name} must have the axis size {n} along "
         f"scatter_dimension={dimension}, got shape {shape}; pass tiled=True to split it.")
+
+
+def _check_gather(shape, axis: int, tiled: bool, n: int, owner: str, name: str) -> None:
+  """Raises unless the shards of a leaf of ``shape`` can be joined along ``axis``."""
+  del n  # Any number of shards joins.
+  if not (0 <= axis < len(shape) if tiled else 0 <= axis <= len(shape)):
+    raise ValueError(
+        f"{owner}: leaf {name} of shape {shape} has no dimension {axis}: axis={axis} is out "
+        f"of range{' for tiled=True' if tiled else ''}.")
 
 
 @functools.lru_cache(maxsize=256)

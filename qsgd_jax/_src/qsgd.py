@@ -158,20 +158,24 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
 
     ``start`` is the index of the buckets' first element in the whole array
     (for the random draws).
+    """
+    y = self._scaled_magnitudes(buckets, scales)
+    return rounding.round_stochastic_to_level(key, y, self.levels, start)
 
-    ``s |v_i| / ||v||`` is computed as ``(|v_i| f) (s / (||v|| f))`` with
-    ``f`` a power of two that brings the scale to ``[1, 4)``: the same float
-    for ordinary scales, and neither the reciprocal of a tiny scale nor the
-    product overflows.
+  def _scaled_magnitudes(self, buckets: jax.Array, scales: jax.Array) -> jax.Array:
+    """``s |v_i| / ||v||`` of each element, in ``[0, s]`` (NaN for non-finite input).
+
+    Computed as ``(|v_i| f) (s / (||v|| f))`` with ``f`` a power of two that
+    brings the scale to ``[1, 4)``: the same float for ordinary scales, and
+    neither the reciprocal of a tiny scale nor the product overflows.
     """
     scale = scales[:, 0]
     normalizer = base.power_of_two_normalizer(scale)
     normalized = scale * normalizer
-    # Zero buckets get all levels 0. Non-finite input gives NaN, which lands
-    # on s; the bucket's non-finite scale marks it on decode.
+    # Zero buckets get all levels 0. Non-finite input gives NaN, which the
+    # rounding puts on s; the bucket's non-finite scale marks it on decode.
     inverse_step = jnp.where(normalized > 0, self.levels / normalized, 0.0)
-    y = jnp.abs(buckets * normalizer[:, None]) * inverse_step[:, None]
-    return rounding.round_stochastic_to_level(key, y, self.levels, start)
+    return jnp.abs(buckets * normalizer[:, None]) * inverse_step[:, None]
 
   def decode_code_sum(self, total, scales, count, shape):
     del count  # Levels add linearly: the sum decodes like one device's codes.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, exchange, layout
+from qsgd_jax._src import base, exchange, layout, provenance
 from qsgd_jax._src.all_gather import all_gather_sum
 from qsgd_jax._src.plan import ReductionPlan
 from qsgd_jax._src.shared_scale import shared_scale_sum
@@ -180,46 +180,102 @@ def reduce_scatter(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   """Each device's shard of the sum of ``tree``, as the reduce-scatter plan says.
 
   Like :func:`reduce`, for a plan of ``method="reduce_scatter"``: device ``j``
-  gets shard ``j`` of every leaf (along the plan's scatter dimension) summed
-  over the axis. Float leaves under the size threshold go by one fused
-  float32 ``psum_scatter``, integer ones by ``jax.lax.psum_scatter``; the
-  compressed ones by the two-phase method's first phase alone, an all-to-all
-  of packed pieces, the device's own piece added exactly.
+  (counted over all the plan's axes, outer first) gets shard ``j`` of every
+  leaf, along the plan's scatter dimension, summed over the axes. A leaf the
+  devices do not divide is zero-padded to whole shards, and the padding is
+  zero in the shards too. Integer leaves go by ``jax.lax.psum_scatter``,
+  float leaves under the size threshold by one fused float32 one; the
+  compressed ones are summed in float32 over the inner axes first (one
+  ``psum_scatter`` of every leaf's shards for the outer devices), then by the
+  two-phase method's first phase over the outer axis, an all-to-all of packed
+  pieces, the device's own piece added exactly.
 
   Returns:
     A :class:`Reduction` whose tree holds the shards and whose payloads are
     the first phase's; ``local_error`` and ``owner_error`` ``None`` (no
     error feedback).
+
+  Raises:
+    ValueError: a float leaf is replicated over an axis (under
+      ``jax.shard_map``), or was reduced over it already
+      (:func:`provenance.check_not_reduced`).
   """
   axes_lib.check_varying(tree, plan.axes, plan.owner)
+  provenance.check_not_reduced(tree, plan.axes, plan.owner)
+  with jax.named_scope(provenance.scope(plan.axes)):  # Marks the result as reduced.
+    return _reduce_scatter_in_scope(plan, tree, key)
+
+
+def _reduce_scatter_in_scope(plan: ReductionPlan, tree, key: jax.Array) -> Reduction:
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
-  axis, n = plan.axes.outer, plan.outer_size
+  everyone = plan.axes.names
+  index = jax.lax.axis_index(everyone)
   out = list(leaves)
   payloads = {}
   for i in plan.integer:
-    out[i] = jax.lax.psum_scatter(leaves[i], axis, scatter_dimension=plan.scatter_dimension,
-                                  tiled=plan.tiled)
+    rows = axes_lib.as_varying(layout.scatter_rows(plan, i, leaves[i]), everyone)
+    out[i] = layout.output_leaf(plan, i, jax.lax.psum_scatter(rows, everyone, tiled=False))
   if plan.full_precision:
-    rows = [layout.scatter_rows(plan, leaves[i].astype(jnp.float32))
+    rows = [layout.scatter_rows(plan, i, leaves[i].astype(jnp.float32))
             for i in plan.full_precision]
-    mine = jax.lax.psum_scatter(axes_lib.as_varying(jnp.concatenate(rows, axis=1), axis), axis,
-                                scatter_dimension=0, tiled=False)
+    mine = jax.lax.psum_scatter(axes_lib.as_varying(jnp.concatenate(rows, axis=1), everyone),
+                                everyone, scatter_dimension=0, tiled=False)
     for i, shard in zip(plan.full_precision, _split(mine, [r.shape[1] for r in rows]),
                         strict=True):
       out[i] = layout.output_leaf(plan, i, shard).astype(leaves[i].dtype)
   if plan.compressed:
-    vectors = layout.segment_vectors(plan, leaves)
-    key = jax.random.fold_in(base.as_key(key), jax.lax.axis_index(axis))
+    rows = {i: layout.scatter_rows(plan, i, leaves[i].astype(jnp.float32))
+            for i in plan.compressed}
+    if plan.axes.inner:
+      rows = _inner_sum_of_rows(plan, rows)
+    vectors = layout.scatter_segment_vectors(plan, rows)
+    key = jax.random.fold_in(base.as_key(key), index)
     first = scatter_phase(plan, layout.written_blocks(plan, vectors), key,
                           want_sent_error=False)
-    rows = layout.split(plan, first.owned, length=lambda segment: segment.length // n)
-    for i, shard in layout.segment_leaves(plan, rows).items():
+    shards = layout.split(plan, first.owned,
+                          length=lambda segment: segment.length // plan.outer_size)
+    for i, shard in layout.segment_leaves(plan, shards).items():
       out[i] = shard.astype(leaves[i].dtype)
     payloads = {"first phase": tuple(first.payloads)}
+  for i in (*plan.integer, *plan.full_precision, *plan.compressed):
+    out[i] = _zero_padding(plan, i, out[i], index)
   return Reduction(
       tree=jax.tree.unflatten(treedef, out), local_error=None, owner_error=None,
       payloads=payloads)
+
+
+def _inner_sum_of_rows(plan: ReductionPlan, rows: dict[int, jax.Array]) -> dict[int, jax.Array]:
+  """Each leaf's ``[n * m, shard]`` rows summed over the inner axes, in one ``psum_scatter``.
+
+  Shard ``i * m + j`` goes to outer device ``i``, inner device ``j``: inner
+  device ``j`` keeps the sum over its inner group of rows ``i * m + j`` for
+  every ``i``, ``[n, shard]``, which the outer axis then reduce-scatters.
+  """
+  n, m = plan.outer_size, plan.inner_size
+  by_inner = [jnp.swapaxes(r.reshape(n, m, -1), 0, 1).reshape(m, -1) for r in rows.values()]
+  mine = jax.lax.psum_scatter(
+      axes_lib.as_varying(jnp.concatenate(by_inner, axis=1), plan.axes.inner),
+      plan.axes.inner, scatter_dimension=0, tiled=False)
+  summed = _split(mine, [b.shape[1] for b in by_inner])
+  return {i: s.reshape(n, -1) for i, s in zip(rows, summed, strict=True)}
+
+
+def _zero_padding(plan: ReductionPlan, i: int, shard: jax.Array, index: jax.Array) -> jax.Array:
+  """Shard ``index`` of leaf ``i`` with its rows past the leaf's end (padding) set to zero.
+
+  Zeros in sum to zeros, but a quantizer need not decode a zero to zero
+  (MinMax's grid passes through its bucket's minimum): the padding is made
+  exactly zero, so that it adds nothing to a norm or an update.
+  """
+  size = plan.leaf_shapes[i][plan.scatter_dimension]
+  rows = plan.shard_rows(i)
+  if not plan.tiled or size % plan.num_devices == 0:
+    return shard
+  real = index * rows + jnp.arange(rows) < size
+  shape = [1] * shard.ndim
+  shape[plan.scatter_dimension] = rows
+  return jnp.where(real.reshape(shape), shard, jnp.zeros((), shard.dtype))
 
 
 def _outer_sum(plan: ReductionPlan, leaves, vectors, key, divisor, owner_error,
