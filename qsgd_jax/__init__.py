@@ -4,7 +4,7 @@ Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
 :class:`OneBit`, :class:`Cast`, :class:`Identity`), the Elias omega codec
 (:mod:`qsgd_jax.elias`), quantized collectives (:func:`quantized_psum`,
 :func:`quantized_pmean`, :func:`wire_bytes`) and optax transformations
-(:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
+(:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), and a
 ``jax.jit`` training step over a mesh that uses them (:func:`data_parallel`).
 """
@@ -24,6 +24,7 @@ from qsgd_jax._src.decentralized import (
 )
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
+from qsgd_jax._src.powersgd import PowerSGDState, powersgd
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.stats import CompressionStats, compression_stats
@@ -53,6 +54,7 @@ __all__ = (
     "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
+    "PowerSGDState",
     "QSGD",
     "SharedScaleCompressor",
     "accumulate_gradients",
@@ -66,6 +68,7 @@ __all__ = (
     "elias",
     "low_precision_decentralized",
     "onebit_sgd",
+    "powersgd",
     "qsgd",
     "quantized_pmean",
     "quantized_psum",

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec
 from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
+from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
 
 # The fields every instance has, whatever the parameters and options: a Flax
@@ -16,6 +17,7 @@ _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
     LowPrecisionDecentralizedState: ("key", "stats"),
+    PowerSGDState: ("key", "count", "stats"),
 }
 
 
@@ -29,6 +31,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     its own model, so the replicas and the inner optimizer's arrays lie along
     ``axis_name`` (with the parameters' layout); the key, the stats and the
     scalars (step counts) are replicated.
+  * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
+    ``axis_name``; the key, the count, the P and Q memories (the same on
+    every device: they come from all-reduces) and the stats are replicated.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -70,6 +75,10 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
       LowPrecisionDecentralizedState: dict(
           inner_state=per_worker, left_replica=per_worker, right_replica=per_worker,
           key=all_leaves(replicated), stats=all_leaves(replicated)),
+      PowerSGDState: dict(
+          key=all_leaves(replicated), count=all_leaves(replicated),
+          error=all_leaves(along_axis), q_memory=all_leaves(replicated),
+          p_memory=all_leaves(replicated), stats=all_leaves(replicated)),
   }
 
   def spec(node):
