@@ -203,8 +203,8 @@ def powersgd(
     del params, extra_args
     plan = make_plan(updates)
     _check_state(plan, state, use_error_feedback)
-    axes.check_varying(updates, reduction_axes, _OWNER)
     sizes = reduction_axes.sizes(_OWNER)
+    axes.check_varying(updates, reduction_axes, _OWNER)
     world, inner = math.prod(sizes), math.prod(sizes[1:])
     name = reduction_axes.name
     leaves, treedef = jax.tree.flatten(updates)
