@@ -276,6 +276,20 @@ def test_a_nonfinite_gradient_skips_the_step_on_every_device():
     assert np.isfinite(leaf).all()
 
 
+def test_integer_leaves_are_averaged_as_pmean_does_and_float0_pass():
+  tx = qsgd_jax.powersgd(AXIS, start_iter=2)
+  updates = {"w": _gradients(0)["dense"],
+             "step": np.arange(NUM_WORKERS * 3, dtype=np.int32).reshape(NUM_WORKERS, 3),
+             "int_param": np.zeros((NUM_WORKERS, 4), jax.dtypes.float0)}
+  state = _pmap(tx.init)(updates)
+  update = _pmap(tx.update)
+  for _ in range(3):  # Two exact steps, then a compressed one.
+    mean, state = jax.block_until_ready(update(updates, state))
+    np.testing.assert_allclose(mean["step"][0], updates["step"].mean(axis=0))
+    assert mean["int_param"].dtype == jax.dtypes.float0
+  assert [e.shape for e in state.error] == [(NUM_WORKERS, 1, 16, 12)]
+
+
 def test_shard_map_matches_pmap_with_the_state_laid_out():
   tx, _, _ = _functions("defaults")
   states, grads, outputs = _trajectory("defaults")

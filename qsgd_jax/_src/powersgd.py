@@ -256,6 +256,7 @@ def powersgd(
           error.append(m - out.astype(jnp.float32))
       averaged = [jnp.where(finite, x, jnp.nan).astype(x.dtype)
                   if jnp.issubdtype(x.dtype, jnp.floating) else x for x in averaged]
+
       def keep(new, old):
         return tuple(jnp.where(finite, n, o) for n, o in zip(new, old, strict=True))
 
