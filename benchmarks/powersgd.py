@@ -15,9 +15,12 @@ Two sections:
    step adds, not a network's time.
 2. **digits**: ``examples/imagenet`` with ``configs/digits_mlp.py`` (a 2.2M
    parameter MLP on scikit-learn's digits, 8 simulated devices) once for each
-   of fp32, bf16, qsgd4 and powersgd (``--digits-rank``, and
-   ``--digits-start-iter`` exact steps first): evaluation accuracy and the
-   bytes a device sends a step.
+   of fp32, bf16, qsgd4 and powersgd (the config's ``powersgd_rank`` and
+   ``powersgd_start_iter`` unless ``--digits-rank`` and
+   ``--digits-start-iter`` say otherwise): evaluation accuracy and the bytes a
+   device sends a step (its ``CompressionStats``: the compiled step's HLO
+   also holds the warm-up branch's float32 all-reduce, which runs only in the
+   first ``start_iter`` steps).
 
 Usage::
 
@@ -123,11 +126,14 @@ def step_section(repeats: int, ranks: list[int], num_devices: int) -> dict:
   return {"tree": "resnet50", "devices": num_devices, "repeats": repeats, "steps": results}
 
 
-def digits_section(rank: int, start_iter: int) -> dict:
+def digits_section(rank: int | None, start_iter: int | None) -> dict:
   """The digits MLP trained once a mode; accuracy and bytes from each run's summary."""
   from examples.imagenet import train
   from examples.imagenet.configs import digits_mlp
 
+  defaults = digits_mlp.get_config()
+  rank = defaults.powersgd_rank if rank is None else rank
+  start_iter = defaults.powersgd_start_iter if start_iter is None else start_iter
   summaries = {}
   with tempfile.TemporaryDirectory() as workdir:
     for mode in ("fp32", "bf16", "qsgd4", "powersgd"):
@@ -179,8 +185,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--ranks", default="1,4")
   parser.add_argument("--step-devices", type=int, default=2)
-  parser.add_argument("--digits-rank", type=int, default=4)
-  parser.add_argument("--digits-start-iter", type=int, default=10)
+  parser.add_argument("--digits-rank", type=int, default=None)
+  parser.add_argument("--digits-start-iter", type=int, default=None)
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="Directory for powersgd.json and powersgd.md.")
   args = parser.parse_args()
