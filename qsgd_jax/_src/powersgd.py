@@ -126,9 +126,10 @@ def powersgd(
   :func:`~qsgd_jax.compressed_allreduce`; :func:`~qsgd_jax.data_parallel`
   does both. Under ``jax.pmap`` the state gets pmap's leading axis.
 
-  PowerSGD is a biased compressor: keep ``use_error_feedback``. With Adam,
-  whose second moment is computed from the compressed gradients, PowerSGD is
-  known to need care (a larger ``rank`` or ``start_iter``).
+  PowerSGD is a biased compressor: keep ``use_error_feedback``. Vogels et al.
+  train with SGD and momentum; with Adam, whose second moment is computed
+  from the compressed gradients, it is known to need care: compare with
+  float32 on the model before relying on it.
 
   Args:
     axis_name: the mapped axis to average over, a tuple of axes (outer
