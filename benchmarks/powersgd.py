@@ -153,7 +153,7 @@ def digits_section(rank: int | None, start_iter: int | None) -> dict:
 
 
 def _markdown(results: dict) -> str:
-  lines = []
+  lines = [f"`{results['command']}`; load average at the start {results['load_average']}.", ""]
   if "step" in results:
     step = results["step"]
     lines += [f"ResNet-50's gradient tree, {step['devices']} simulated CPU devices, median of "
@@ -191,7 +191,8 @@ def main() -> None:
                       help="Directory for powersgd.json and powersgd.md.")
   args = parser.parse_args()
   sections = args.sections.split(",")
-  results = {}
+  results = {"command": " ".join(["python", *sys.argv]),
+              "load_average": [round(x, 1) for x in os.getloadavg()]}
   if "step" in sections:
     results["step"] = step_section(args.repeats, [int(r) for r in args.ranks.split(",")],
                                    args.step_devices)
