@@ -85,8 +85,9 @@ def powersgd(
   floats, as ``jax.lax.pmean`` does, and ``float0`` leaves pass through.
 
   The step sends three all-reduces, as the hook does: the exact leaves, every
-  P and every Q, leaves of one matrix shape batched into one matmul (the
-  hook's ``batch_tensors_with_same_shape``; the numbers are the same without).
+  P and every Q (XLA may combine the first two, which are independent);
+  leaves of one matrix shape are batched into one matmul (the hook's
+  ``batch_tensors_with_same_shape``; the numbers are the same without).
   bfloat16 and float16 leaves are computed in float32, their error too, and
   cast back; the error holds what the cast dropped as well.
 
