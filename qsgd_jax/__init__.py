@@ -6,7 +6,7 @@ Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`quantized_psum`, :func:`quantized_pmean`, :func:`quantized_psum_scatter`,
 :func:`quantized_all_gather`, :func:`wire_bytes`), FSDP compressed both ways
 (:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`) and optax transformations
-(:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
+(:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
 that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
 and a ``jax.jit`` training step over a mesh that uses them
@@ -32,6 +32,7 @@ from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.nearest_abs_max import NearestAbsMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
+from qsgd_jax._src.powersgd import PowerSGDState, powersgd
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.stats import CompressionStats, compression_stats
@@ -64,6 +65,7 @@ __all__ = (
     "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
+    "PowerSGDState",
     "QSGD",
     "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
@@ -83,6 +85,7 @@ __all__ = (
     "low_precision_decentralized",
     "onebit_adam",
     "onebit_sgd",
+    "powersgd",
     "qsgd",
     "quantized_all_gather",
     "quantized_pmean",

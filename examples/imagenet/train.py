@@ -38,7 +38,8 @@ import qsgd_jax
 from examples.imagenet import input_pipeline, models
 
 AXIS = "batch"
-COMPRESSIONS = ("fp32", "bf16", "qsgd4", "qsgd8", "minmax8", "onebit", "decentralized8")
+COMPRESSIONS = ("fp32", "bf16", "qsgd4", "qsgd8", "minmax8", "onebit", "powersgd",
+                "decentralized8")
 PARALLELISMS = ("pmap", "shard_map", "jit")
 
 
@@ -96,6 +97,9 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
       return qsgd_jax.compressed_allreduce(qsgd_jax.MinMax(bits=8), AXIS, **options)
     case "onebit":
       return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
+    case "powersgd":
+      return qsgd_jax.powersgd(AXIS, rank=config.powersgd_rank,
+                               start_iter=config.powersgd_start_iter, seed=config.seed)
   raise ValueError(f"No all-reduce for compression {config.compression!r}.")
 
 

@@ -9,6 +9,7 @@ from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
+from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
 from qsgd_jax._src.zero_one_adam import ZeroOneAdamState
 
@@ -21,6 +22,7 @@ _ALWAYS_PRESENT = {
     ScaleByOneBitAdamState: ("count", "worker_error", "server_error", "freeze_count", "stats"),
     ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
                        "local_interval", "learning_rate_sum", "freeze_count", "stats"),
+    PowerSGDState: ("key", "count", "stats"),
 }
 
 
@@ -43,6 +45,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     ``axis_name``: with inner axes each node steps on its own average, with
     the parameters' per-node layout); the variance and the counters are
     replicated.
+  * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
+    ``axis_name``; the key, the count, the P and Q memories (the same on
+    every device: they come from all-reduces) and the stats are replicated.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -92,6 +97,10 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
           key=all_leaves(replicated), stats=all_leaves(replicated)),
       ScaleByOneBitAdamState: dict(
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
+      PowerSGDState: dict(
+          key=all_leaves(replicated), count=all_leaves(replicated),
+          error=all_leaves(along_axis), q_memory=all_leaves(replicated),
+          p_memory=all_leaves(replicated), stats=all_leaves(replicated)),
   }
 
   def zero_one_adam_fields(node):

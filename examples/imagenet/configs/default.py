@@ -37,13 +37,17 @@ def get_config() -> ml_collections.ConfigDict:
   # resumes from the latest. 0 or less: no checkpoints, and no resuming.
   config.checkpoint_every_steps = 1000
 
-  # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, decentralized8.
+  # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, powersgd, decentralized8.
   config.compression = "qsgd4"
   config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
   config.min_compressed_size = 4096  # Smaller leaves (biases, norms) go in float32.
   # qsgd4 and qsgd8: every this many steps, the size Elias coding would give the sent payloads
   # (it encodes them a second time, so it is not free); 0: never.
   config.track_elias = 0
+  # powersgd: the rank of each kernel's factors, and the steps of exact float32 averaging
+  # before it starts (PyTorch's default; it suggests about 10% of the steps).
+  config.powersgd_rank = 4
+  config.powersgd_start_iter = 1000
   config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
   config.seed = 0
   return config

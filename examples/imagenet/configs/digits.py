@@ -23,4 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.min_compressed_size = 2048
   config.bucket_size = 128
   config.track_elias = 11  # At every logged step.
+  # powersgd: rank 2 matched fp32's accuracy here (rank 1: 0.3 points less, at 28x; rank 4:
+  # the same at 8.7x; one seed each), after about 10% of the 176 steps exact.
+  config.powersgd_rank = 2
+  config.powersgd_start_iter = 18
   return config

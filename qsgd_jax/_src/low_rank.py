@@ -1,0 +1,166 @@
+"""The static plan of a PowerSGD step, and the orthogonalization of its factors.
+
+:func:`make_plan` decides from a tree's shapes alone which leaves PowerSGD
+compresses and how they are batched; :func:`orthogonalize` is the step's
+Gram-Schmidt or QR. :mod:`qsgd_jax._src.powersgd` runs the step.
+
+The matrix of a leaf of shape ``(d_1, ..., d_k)`` is its
+``(d_1 ... d_{k-1}, d_k)`` view: the output features, last in a Flax kernel
+(``(in, out)`` for ``Dense``, ``(kh, kw, in, out)`` for ``Conv``), are its
+columns. PyTorch views its ``(out, in, kh, kw)`` weight as
+``(out, in * kh * kw)``: the transpose of the same layer's matrix, with the
+rows of ours ordered ``(kh, kw, in)`` instead of ``(in, kh, kw)``.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Compressed leaves of one matrix shape and dtype, batched into one matmul.
+
+  Attributes:
+    rows: ``n``, the rows of each leaf's matrix.
+    columns: ``m``, its columns.
+    rank: ``min(n, m, rank)``, the rank of its factors.
+    dtype: the leaves' dtype (the step computes in float32).
+    leaves: indices of the leaves in the flattened tree, in tree order.
+  """
+
+  rows: int
+  columns: int
+  rank: int
+  dtype: np.dtype
+  leaves: tuple[int, ...]
+
+  @property
+  def p_shape(self) -> tuple[int, int, int]:
+    """``(count, n, rank)``: the group's P factors, stacked."""
+    return (len(self.leaves), self.rows, self.rank)
+
+  @property
+  def q_shape(self) -> tuple[int, int, int]:
+    """``(count, m, rank)``: the group's Q factors, stacked."""
+    return (len(self.leaves), self.columns, self.rank)
+
+  @property
+  def matrix_shape(self) -> tuple[int, int, int]:
+    """``(count, n, m)``: the group's matrices, stacked."""
+    return (len(self.leaves), self.rows, self.columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankPlan:
+  """Every static decision of a PowerSGD step on one tree.
+
+  Attributes:
+    paths: each leaf's ``jax.tree_util.keystr`` path, in tree order.
+    shapes: each leaf's shape.
+    groups: the compressed leaves, grouped by matrix shape and dtype in the
+      order their first leaf appears.
+    exact: indices of the leaves averaged exactly (float32 all-reduce): float
+      leaves not compressed, and integer leaves (averaged to floats, as
+      ``jax.lax.pmean`` does); ``float0`` leaves are in neither.
+  """
+
+  paths: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  groups: tuple[Group, ...]
+  exact: tuple[int, ...]
+
+  @property
+  def p_elements(self) -> int:
+    """Elements of every P factor: what the P all-reduce sums."""
+    return sum(math.prod(group.p_shape) for group in self.groups)
+
+  @property
+  def q_elements(self) -> int:
+    """Elements of every Q factor: what the Q all-reduce sums."""
+    return sum(math.prod(group.q_shape) for group in self.groups)
+
+  @property
+  def exact_elements(self) -> int:
+    """Elements of the leaves averaged exactly."""
+    return sum(math.prod(self.shapes[i]) for i in self.exact)
+
+  @property
+  def num_elements(self) -> int:
+    """Elements of every leaf but ``float0`` ones: what a float32 all-reduce would send."""
+    return self.exact_elements + sum(math.prod(g.matrix_shape) for g in self.groups)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(prod(shape[:-1]), shape[-1])``: the matrix PowerSGD sees of a leaf of ``shape``.
+
+  Examples:
+    >>> from qsgd_jax._src import low_rank
+    >>> low_rank.matrix_shape((3, 3, 64, 128))  # A Flax Conv kernel, HWIO.
+    (576, 128)
+  """
+  return (math.prod(shape[:-1]), shape[-1])
+
+
+def should_compress(rows: int, columns: int, rank: int, min_compression_rate: float) -> bool:
+  """PyTorch's test: ``(n + m) r * min_compression_rate < n m``, ``r = min(n, m, rank)``."""
+  rank = min(rows, columns, rank)
+  return (rows + columns) * rank * min_compression_rate < rows * columns
+
+
+def make_plan(tree, rank: int, min_compression_rate: float) -> LowRankPlan:
+  """The :class:`LowRankPlan` of ``tree``'s leaves (arrays or shape-dtype structs).
+
+  A float leaf of two or more dimensions is compressed when
+  :func:`should_compress` says so for its :func:`matrix_shape`; 0-d and 1-d
+  leaves (biases, norm scales) never are.
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in leaves)
+  shapes = tuple(tuple(np.shape(leaf)) for _, leaf in leaves)
+  by_key: dict[tuple, list[int]] = {}
+  exact = []
+  for index, (_, leaf) in enumerate(leaves):
+    dtype = jnp.result_type(leaf)
+    if dtype == jax.dtypes.float0:
+      continue
+    shape = shapes[index]
+    if (len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating)
+        and should_compress(*matrix_shape(shape), rank, min_compression_rate)):
+      by_key.setdefault((matrix_shape(shape), np.dtype(dtype)), []).append(index)
+    else:
+      exact.append(index)
+  groups = tuple(
+      Group(rows=n, columns=m, rank=min(n, m, rank), dtype=dtype, leaves=tuple(indices))
+      for ((n, m), dtype), indices in by_key.items())
+  return LowRankPlan(paths=paths, shapes=shapes, groups=groups, exact=tuple(exact))
+
+
+def orthogonalize(matrices: jax.Array, epsilon: float) -> jax.Array:
+  """Orthonormal columns spanning those of each matrix of ``matrices``, ``float32[b, n, r]``.
+
+  As PyTorch's ``_orthogonalize``: for ``r <= 2``, Gram-Schmidt, each column
+  divided by its norm (plus ``epsilon``) and removed from the columns after
+  it; above, a reduced QR decomposition's Q. A column of norm zero with
+  ``epsilon == 0`` becomes zeros: PyTorch divides it by zero and gets NaN
+  there (its ``except ZeroDivisionError``, meant to write the zeros, never
+  runs, as dividing tensors does not raise).
+  """
+  rank = matrices.shape[-1]
+  if rank > 2:
+    return jnp.linalg.qr(matrices, mode="reduced")[0]
+  columns = [matrices[..., i : i + 1] for i in range(rank)]
+  for i in range(rank):
+    norm = jnp.sqrt(jnp.sum(columns[i] * columns[i], axis=-2, keepdims=True))
+    if epsilon:
+      columns[i] = columns[i] / (norm + epsilon)
+    else:
+      nonzero = norm > 0
+      columns[i] = jnp.where(nonzero, columns[i] / jnp.where(nonzero, norm, 1), 0)
+    for j in range(i + 1, rank):
+      projection = jnp.sum(columns[i] * columns[j], axis=-2, keepdims=True)
+      columns[j] = columns[j] - projection * columns[i]
+  return jnp.concatenate(columns, axis=-1)
