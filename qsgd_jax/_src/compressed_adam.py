@@ -194,9 +194,12 @@ class AutoFreeze:
   the 1-bit Adam paper plots to show that the variance settles (Tang et al.
   2021, Section 3). It is computed from the variance every device holds alike
   (updated from the float32 mean gradient), so every device decides the same.
-  The last ``window`` values are kept; the variance is frozen after the first
-  update at which the window is full and its relative range is at most
-  ``tolerance``: ``(max - min) / max <= tolerance``.
+  The last ``window`` values are kept, and their drift is the difference of
+  the means of the newer and the older half over the mean of all:
+  ``|mean(newer) - mean(older)| / mean(all)``, a trend that the step-to-step
+  noise of the gradients averages out of. The variance is frozen after the
+  first update at which the window is full and the drift is at most
+  ``tolerance``.
   """
 
   def __init__(self, window: int, tolerance: float):
@@ -210,12 +213,24 @@ class AutoFreeze:
              statistic: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``history`` with ``statistic`` as update ``updates_seen`` (1-based); whether to freeze."""
     history = history.at[(updates_seen - 1) % self.window].set(statistic)
-    high, low = jnp.max(history), jnp.min(history)
-    settled = (updates_seen >= self.window) & ((high - low) <= self.tolerance * high)
+    # How many updates ago each entry was recorded: 0 for this one.
+    age = (updates_seen - 1 - jnp.arange(self.window)) % self.window
+    half = self.window // 2
+    newer = jnp.mean(history, where=age < half)
+    older = jnp.mean(history, where=age >= self.window - half)
+    drift = jnp.abs(newer - older) / jnp.mean(history)
+    settled = (updates_seen >= self.window) & (drift <= self.tolerance)
     return history, settled
 
 
-def auto_freeze(freeze_step: FreezeStep, window: int, tolerance: float) -> AutoFreeze | None:
+def auto_freeze(owner: str, freeze_step: FreezeStep, window: int,
+                tolerance: float) -> AutoFreeze | None:
+  """The rule of ``"auto"``, its options checked; ``None`` for a given freeze step."""
+  if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+    raise ValueError(f"{owner}: auto_freeze_window must be an int of at least 2, got {window!r}.")
+  if not isinstance(tolerance, int | float) or tolerance < 0:
+    raise ValueError(
+        f"{owner}: auto_freeze_tolerance must be a non-negative float, got {tolerance!r}.")
   return AutoFreeze(window, tolerance) if freeze_step == "auto" else None
 
 

@@ -101,12 +101,12 @@ def scale_by_onebit_adam(
   update learns, and ``freeze_step`` updates warm up.
 
   ``freeze_step="auto"`` freezes the variance once it has stopped moving:
-  after the first update at which the last ``auto_freeze_window`` values of
-  :math:`\|\hat v\|_1` over the compressed leaves (the variance norm the 1-bit
-  Adam paper watches settle) lie within a relative range of
-  ``auto_freeze_tolerance``. Every device holds the same variance, so every
-  device decides alike; :attr:`ScaleByOneBitAdamState.freeze_count` reports
-  the count chosen.
+  after the first update at which, over the last ``auto_freeze_window``
+  values of :math:`\|\hat v\|_1` over the compressed leaves (the variance
+  norm the 1-bit Adam paper watches settle), the means of the newer and the
+  older half differ by at most ``auto_freeze_tolerance`` of their mean. Every
+  device holds the same variance, so every device decides alike;
+  :attr:`ScaleByOneBitAdamState.freeze_count` reports the count chosen.
 
   A NaN or inf in any device's gradient makes every device's updates NaN
   and leaves the state as it was; :func:`onebit_adam` wraps the rest of its
@@ -135,7 +135,7 @@ def scale_by_onebit_adam(
     axis_size: the outer axis's size, for an ``init`` outside the mapped
       function (the error buffers' shapes depend on it).
     auto_freeze_window, auto_freeze_tolerance: the ``"auto"`` rule's window
-      (updates) and relative range.
+      (updates, at least 2) and the relative drift it accepts.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -148,10 +148,9 @@ def scale_by_onebit_adam(
   owner = "qsgd_jax.scale_by_onebit_adam"
   common.check_options(owner, b1=b1, b2=b2, eps=eps, min_compressed_size=min_compressed_size)
   common.check_freeze_step(owner, "freeze_step", freeze_step)
-  common.check_positive_int(owner, "auto_freeze_window", auto_freeze_window)
   common.check_axis_size(owner, axis_size)
   axes = axes_lib.parse(axis_name, owner)
-  auto = common.auto_freeze(freeze_step, auto_freeze_window, auto_freeze_tolerance)
+  auto = common.auto_freeze(owner, freeze_step, auto_freeze_window, auto_freeze_tolerance)
 
   def init_fn(params):
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)

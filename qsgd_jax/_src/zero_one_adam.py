@@ -130,11 +130,10 @@ def zero_one_adam(
   elements or excluded by ``compression_mask`` are averaged in float32 every
   step and follow plain Adam; leaves that are not float are left unchanged.
 
-  ``var_freeze_step="auto"`` freezes the variance after the first variance
-  update at which the last ``auto_freeze_window`` values of
-  :math:`\|\hat v\|_1` over the compressed leaves lie within a relative range
-  of ``auto_freeze_tolerance`` (the rule of :func:`scale_by_onebit_adam`,
-  read at the variance updates); ``freeze_count`` in the state reports it.
+  ``var_freeze_step="auto"`` freezes the variance once it has stopped
+  moving, by the rule of :func:`scale_by_onebit_adam` read at the variance
+  updates (its window counts variance updates); ``freeze_count`` in the
+  state reports the count chosen.
 
   A NaN or inf in any device's gradient skips the step on every device
   together: the updates are zero and the state is kept (every step tells all
@@ -183,12 +182,12 @@ def zero_one_adam(
   common.check_freeze_step(owner, "var_freeze_step", var_freeze_step)
   for name, value in (("var_update_scaler", var_update_scaler),
                       ("local_step_scaler", local_step_scaler),
-                      ("local_step_clipper", local_step_clipper),
-                      ("auto_freeze_window", auto_freeze_window)):
+                      ("local_step_clipper", local_step_clipper)):
     common.check_positive_int(owner, name, value)
   common.check_axis_size(owner, axis_size)
   axes = axes_lib.parse(axis_name, owner)
-  auto = common.auto_freeze(var_freeze_step, auto_freeze_window, auto_freeze_tolerance)
+  auto = common.auto_freeze(owner, var_freeze_step, auto_freeze_window,
+                            auto_freeze_tolerance)
   schedule = common.as_callable_schedule(learning_rate)
   local_steps = local_step_clipper > 1
   decay_mask = mask
