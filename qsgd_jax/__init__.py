@@ -22,6 +22,7 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD, EliasSize
@@ -39,6 +40,7 @@ from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
 __version__ = "0.1.0"
 
 __all__ = (
+    "LOST_PROCESS_EXIT_CODE",
     "AccumulationState",
     "Cast",
     "Collective",
@@ -53,6 +55,7 @@ __all__ = (
     "NearestZeroAlignedMinMax",
     "OneBit",
     "Payload",
+    "ProcessWatch",
     "QSGD",
     "SharedScaleCompressor",
     "accumulate_gradients",
@@ -64,6 +67,7 @@ __all__ = (
     "consensus_distance",
     "data_parallel",
     "elias",
+    "initialize_distributed",
     "low_precision_decentralized",
     "onebit_sgd",
     "qsgd",
