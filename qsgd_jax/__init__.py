@@ -7,9 +7,12 @@ Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), and a
 ``jax.jit`` training step over a mesh that uses them (:func:`data_parallel`).
+For long multi-process runs: :func:`initialize_distributed`, which ends every
+process soon after one is lost, and :func:`resize_state` (:mod:`qsgd_jax.resize`),
+which resumes per-device state on another number of devices.
 """
 
-from qsgd_jax import elias
+from qsgd_jax import elias, resize
 from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
 from qsgd_jax._src.axes import as_varying
 from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
@@ -26,6 +29,7 @@ from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, init
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD, EliasSize
+from qsgd_jax._src.resize import resize_state
 from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.stats import CompressionStats, compression_stats
 from qsgd_jax._src.transforms import (
@@ -74,6 +78,8 @@ __all__ = (
     "quantized_pmean",
     "quantized_psum",
     "quantized_psum_scatter",
+    "resize",
+    "resize_state",
     "state_partition_specs",
     "wire_bytes",
 )
