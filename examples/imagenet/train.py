@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 import optax
 import tqdm
+from absl import logging
 from flax import jax_utils
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
@@ -450,6 +451,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   with checkpoint_manager(workdir, config) as checkpoints:
     state, first_step = restore_checkpoint(checkpoints, state, config)
     train_records = _metrics_before(workdir / "metrics.jsonl", first_step) if is_main else []
+    logging.info("Training from step %d of %d.", first_step, num_steps)
 
     batches = map(mapped.put_batch, input_pipeline.train_batches(config, first_step))
     batch = next(batches)
