@@ -52,6 +52,11 @@ def initialize_distributed(
     status :data:`LOST_PROCESS_EXIT_CODE` (75): within :math:`T` plus two
     heartbeats of the loss, about 11 s by default.
 
+  Process 0 hosts the coordination service: when it dies outright (its
+  sockets close), JAX itself aborts the others within a second (``SIGABRT``,
+  its log saying the leader task died) before the watch speaks; when it stops
+  or hangs, the watch names it.
+
   The exit skips ``jax.distributed``'s shutdown, which would wait for the lost
   process. Restart every process to resume from the last checkpoint. A
   process whose code raises inside the ``with`` block marks itself failed (the
@@ -133,10 +138,14 @@ class _Peer:
 class ProcessWatch:
   """Heartbeats between the processes of a run; see :func:`initialize_distributed`.
 
-  Attributes:
+  Args:
+    client: the coordination service's client (``key_value_set`` and
+      ``key_value_dir_get``).
     process_id: this process's index.
     num_processes: the processes of the run.
     failure_timeout: seconds of silence after which a process is lost.
+    exit_fn: ends the process with a status (``os._exit``; a test passes one
+      that records it).
   """
 
   def __init__(self, client, process_id: int, num_processes: int, failure_timeout: float,
