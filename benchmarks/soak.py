@@ -7,18 +7,19 @@ residuals in every checkpoint), checkpointing every ``--checkpoint-every``
 steps, twice:
 
 1. uninterrupted, the reference;
-2. under a small supervisor that SIGKILLs a random process at random times
-   (``--faults`` of them, each a uniform ``--kill-after`` seconds after the
-   run is training again), waits for every process to end (the survivors by
-   ``qsgd_jax.initialize_distributed``'s watch: status 75 and one line naming
-   the lost process; a lost process 0 ends them through JAX's own abort),
-   and starts them all again in the same workdir, where the run resumes from
-   its newest checkpoint that passes verification. Any other failure (status
-   1: a non-finite loss, no good checkpoint) ends the benchmark.
+2. under a small supervisor that, at random times (``--faults`` of them, each
+   a uniform ``--kill-after`` seconds after the run is training again), sends
+   a random process SIGKILL or SIGSTOP (``--signals``), waits for the others
+   to end (by ``qsgd_jax.initialize_distributed``'s watch: status 75 and one
+   line naming the lost process; a killed process 0 ends them through JAX's
+   own abort), kills a stopped one, and starts them all again in the same
+   workdir, where the run resumes from its newest checkpoint that passes
+   verification. Any other failure (status 1: a non-finite loss, no good
+   checkpoint) ends the benchmark.
 
-It prints, for each fault, the process killed, the step the run had logged,
-the step it resumed from, the seconds until every process had ended, and the
-time lost: from the kill until the resumed run logged that step again. Last,
+It prints, for each fault, the process and signal, the step the run had
+logged, the step it resumed from, the seconds until the others had ended, and
+the time lost: from the fault until the resumed run logged that step again. Last,
 it compares the final checkpoints of both runs, every array bit for bit, and
 exits with status 1 if they differ.
 
@@ -182,19 +183,23 @@ def with_faults(args, workdir: pathlib.Path, rng: random.Random) -> tuple[float,
           catching_up["seconds_lost"] = now - catching_up["killed_at"]
           catching_up = None
         if delay is not None and now >= training_since + delay:
-          victim = rng.randrange(args.processes)
-          os.killpg(processes[victim].pid, signal.SIGKILL)
-          codes = _wait(processes, args.timeout)
-          if codes is None:
+          victim, how = rng.randrange(args.processes), rng.choice(args.signals)
+          os.killpg(processes[victim].pid, getattr(signal, f"SIG{how}"))
+          survivors = [p for i, p in enumerate(processes) if i != victim]
+          if _wait(survivors, args.timeout) is None:
             raise SystemExit(f"processes still running {args.timeout:.0f} s after process "
-                             f"{victim} was killed:\n{run.log_tail((victim + 1) % args.processes)}")
+                             f"{victim} got SIG{how}:\n"
+                             f"{run.log_tail((victim + 1) % args.processes)}")
+          ended = time.monotonic() - now
+          os.killpg(processes[victim].pid, signal.SIGKILL)  # A stopped one never ends.
+          codes = _wait(processes, args.timeout)
           said = re.findall(r"qsgd_jax: process .*", run.log_tail((victim + 1) % args.processes))
-          catching_up = {"process": victim, "step": step, "killed_at": now,
-                         "all_ended_seconds": time.monotonic() - now, "exit_codes": codes,
+          catching_up = {"process": victim, "signal": how, "step": step, "killed_at": now,
+                         "all_ended_seconds": ended, "exit_codes": codes,
                          "survivor_said": said[-1] if said else "(no line from the watch)"}
           faults.append(catching_up)
-          _log(f"fault {len(faults)}: killed process {victim} at step {step}; all ended in "
-               f"{catching_up['all_ended_seconds']:.1f} s with {codes}")
+          _log(f"fault {len(faults)}: SIG{how} to process {victim} at step {step}; the others "
+               f"ended in {ended:.1f} s ({codes})")
           break
       codes = _wait(processes, args.timeout)
     finally:
@@ -248,6 +253,9 @@ def parse_args(argv=None):
   parser.add_argument("--kill-after", type=float, nargs=2, default=(5.0, 40.0),
                       metavar=("LOW", "HIGH"),
                       help="seconds of training before a kill, drawn uniformly")
+  parser.add_argument("--signals", nargs="+", choices=("KILL", "STOP"), default=["KILL", "STOP"],
+                      help="what a fault sends the process, drawn at random: SIGKILL, or SIGSTOP"
+                           " (then SIGKILL once the others have ended)")
   parser.add_argument("--compression", default="onebit")
   parser.add_argument("--failure-timeout", type=float, default=10.0)
   parser.add_argument("--timeout", type=float, default=1800,
@@ -271,17 +279,17 @@ def main(argv=None) -> None:
   print(f"\n{args.processes} processes x {args.steps} steps of {CONFIG} ({args.compression}),"
         f" a checkpoint every {args.checkpoint_every} steps, failure timeout"
         f" {args.failure_timeout:g} s; load average {os.getloadavg()[0]:.1f}.")
-  print("\n| fault | process killed | at step | resumed from | all ended in s | exit codes"
-        " | time lost s |\n|---|---|---|---|---|---|---|")
+  print("\n| fault | process | signal | at step | resumed from | others ended in s | exit codes"
+        " | time lost s |\n|---|---|---|---|---|---|---|---|")
   for number, fault in enumerate(faults, start=1):
     lost = fault.get("seconds_lost")
-    print(f"| {number} | {fault['process']} | {fault['step']} | {fault.get('resumed_from', '-')}"
-          f" | {fault['all_ended_seconds']:.1f} | {fault['exit_codes']}"
-          f" | {'-' if lost is None else f'{lost:.1f}'} |")
+    print(f"| {number} | {fault['process']} | SIG{fault['signal']} | {fault['step']}"
+          f" | {fault.get('resumed_from', '-')} | {fault['all_ended_seconds']:.1f}"
+          f" | {fault['exit_codes']} | {'-' if lost is None else f'{lost:.1f}'} |")
   print(f"\nSurvived {len(faults)} faults. Uninterrupted: {reference_seconds:.0f} s; with the"
         f" faults: {seconds:.0f} s ({seconds - reference_seconds:+.0f} s).")
   for fault in faults:
-    print(f"  after killing process {fault['process']}: {fault['survivor_said']}")
+    print(f"  SIG{fault['signal']} to process {fault['process']}: {fault['survivor_said']}")
   if differing:
     print(f"The final states differ: {', '.join(differing[:10])}.")
     raise SystemExit(1)

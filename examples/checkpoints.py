@@ -11,10 +11,11 @@ the size and SHA-256 of every file the save wrote, written by process 0 after
 orbax has committed the save, atomically (a temporary file, fsynced, renamed).
 A checkpoint without one (the process died between orbax's commit and the
 manifest), or whose files differ from it (truncated, flipped, deleted), fails
-verification. On resume the newest checkpoint that passes is used; each one
-that fails is reported in one line and moved to ``invalid_checkpoints/`` beside
-the checkpoints (kept for inspection, out of orbax's way); if none passes, the
-run stops with a :class:`CheckpointError` rather than start afresh over them.
+verification. On resume the newest checkpoint that passes is used; each newer
+one that fails is reported in one line and moved to ``invalid_checkpoints/``
+beside the checkpoints (kept for inspection, out of orbax's way). If none
+passes, nothing is moved and the run stops with a :class:`CheckpointError`,
+at every start, rather than start afresh over them.
 
 The manifest also holds the state's layout: the device count, and the
 settings that shape the state (parallelism, compression). :func:`resume`
@@ -162,27 +163,27 @@ class VerifiedCheckpoints:
     steps = sorted(self._manager.all_steps(), reverse=True)
     if not steps:
       return None
-    chosen, failures = -1, []
+    chosen, failures = -1, {}
     if jax.process_index() == 0:
       for step in steps:
-        reason = verify(self.directory / str(step))
-        if reason is None:
+        failures[step] = verify(self.directory / str(step))
+        if failures[step] is None:
+          del failures[step]
           chosen = step
           break
-        failures.append(f"step {step}: {reason}")
-        moved = self._set_aside(step)
-        logging.warning("Checkpoint of step %d fails verification (%s): moved to %s.", step,
-                        reason, moved)
+      if chosen >= 0:  # Out of orbax's way: the run will save those steps again.
+        for step, reason in failures.items():
+          logging.warning("Checkpoint of step %d fails verification (%s): moved to %s.", step,
+                          reason, self._set_aside(step))
     if jax.process_count() > 1:
       chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
       multihost_utils.sync_global_devices("qsgd_jax examples: checkpoints verified")
     self._manager.reload()
-    if chosen < 0:
+    if chosen < 0:  # Left where they are: every start fails the same way until someone looks.
+      reasons = "; ".join(f"step {step}: {reason}" for step, reason in failures.items())
       raise CheckpointError(
-          f"No checkpoint in {self.directory} passes verification ("
-          f"{'; '.join(failures) or 'see process 0'}); they were moved to "
-          f"{self.directory.parent / INVALID}. Restore good copies into {self.directory}, or "
-          "remove it to start afresh.")
+          f"No checkpoint in {self.directory} passes verification ({reasons or 'see process 0'}"
+          f"). Restore good copies, or move the directory away to start afresh.")
     return chosen
 
   def layout_of(self, step: int) -> dict[str, Any]:

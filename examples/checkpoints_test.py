@@ -158,7 +158,9 @@ def test_no_good_checkpoint_is_a_clear_error_and_none_is_a_fresh_start(saved, tm
   message = str(raised.value)
   assert "\n" not in message
   assert "No checkpoint in" in message and "step 6:" in message and "step 4:" in message
-  assert "remove it to start afresh" in message
+  assert "move the directory away to start afresh" in message
+  with pytest.raises(checkpointing.CheckpointError):  # Nothing was moved: the next start too.
+    _resume(directory)
   empty = tmp_path / "empty"
   fresh, step = _resume(empty)
   assert step == 0 and not np.asarray(fresh["opt_state"][0].count)

@@ -14,9 +14,9 @@ import jax
 DEFAULT_FAILURE_TIMEOUT = 10.0
 # A survivor's exit status: sysexits.h's EX_TEMPFAIL, "try again later".
 LOST_PROCESS_EXIT_CODE = 75
-# JAX's own heartbeat and shutdown timeouts, in failure timeouts: the coordination
-# service aborts a process (SIGABRT, a long log) from half its heartbeat timeout on
-# after a peer goes silent, so three leave the watch a whole timeout to act first.
+# JAX's own heartbeat and shutdown timeouts, in failure timeouts: a backstop that the watch
+# must beat. With a heartbeat timeout of 10 s the coordination service aborted the survivors
+# (SIGABRT, a long log) 7.8 s after a peer was killed: it acts from about half its timeout on.
 _JAX_TIMEOUTS_IN_FAILURE_TIMEOUTS = 3
 # Heartbeats a failure timeout.
 _BEATS_A_TIMEOUT = 10
@@ -100,8 +100,10 @@ def initialize_distributed(
         train()  # Resumes from the latest checkpoint.
 
   References:
-    TorchElastic's contract: a lost worker ends the run with a non-zero exit
-    within its timeouts, and a restart resumes from the last checkpoint.
+    TorchElastic (``torchrun``) likewise stops every worker when one fails and
+    starts them all again (up to ``max_restarts``), each loading the last
+    checkpoint; here the restart is the launcher's (``benchmarks/soak.py``
+    has a small one).
   """
   if (not isinstance(failure_timeout, int | float) or isinstance(failure_timeout, bool)
       or not failure_timeout > 0 or not math.isfinite(failure_timeout)):
