@@ -429,6 +429,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     for the gradients each step), ``fp32_wire_bytes_per_step`` (the same for a
     float32 all-reduce), their ratio, the bytes read from the compiled HLO, and
     timings of this process's steps.
+
+  Raises:
+    RunError: the run cannot go on (a :class:`NonFiniteLossError`, or no
+      checkpoint to resume from that passes verification and fits); its
+      message is one line.
   """
   _check_config(config)
   workdir = pathlib.Path(workdir)
