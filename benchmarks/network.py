@@ -316,6 +316,7 @@ def run_collectives(launcher: Launcher, args, work: pathlib.Path) -> dict:
       "repeats": args.repeats,
       "small_tree_repeats": args.small_tree_repeats,
       "count_bytes": launcher.namespace is not None,
+      "failure_timeout": args.failure_timeout,
       "output_dir": str(work),
   }
   work.mkdir(parents=True, exist_ok=True)
@@ -520,7 +521,7 @@ def run_training(launcher: Launcher, args, work: pathlib.Path) -> dict:
       return [sys.executable, "-m", "examples.imagenet.main", f"--config={TRAINING_CONFIG}",
               *overrides, f"--workdir={workdir}", "--multihost",
               f"--coordinator_address={address}", f"--num_processes={args.processes}",
-              f"--process_id={process_id}"]
+              f"--process_id={process_id}", f"--failure_timeout={args.failure_timeout}"]
 
     _log(f"training {mode} ({TRAINING_CONFIG}, {args.processes} processes)")
     seconds = launcher.run(command, workdir / "logs")
@@ -636,6 +637,9 @@ def parse_args(argv=None):
   parser.add_argument("--namespace", default=NAMESPACE,
                       help="the network namespace's name (deleted first if it exists)")
   parser.add_argument("--timeout", type=float, default=1800, help="seconds a launch may take")
+  parser.add_argument("--failure-timeout", type=float, default=10.0,
+                      help="seconds without a heartbeat after which a process counts as lost"
+                           " and the others end (qsgd_jax.initialize_distributed)")
   parser.add_argument("--out", type=pathlib.Path, default=_HERE / "results")
   parser.add_argument("--throughput-json", type=pathlib.Path, default=None,
                       help="compressor_throughput.py's output, for the cost model (default:"

@@ -396,19 +396,16 @@ def _log(process_id: int, message: str) -> None:
 
 def main(plan_path: str, process_id: int) -> None:
   plan = json.loads(pathlib.Path(plan_path).read_text())
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      coordinator_address=plan["coordinator_address"],
-      num_processes=plan["num_processes"],
-      process_id=process_id,
-      initialization_timeout=120,
-  )
-  if jax.local_device_count() != 1:
-    raise RuntimeError(f"expected one CPU device a process, got {jax.local_device_count()}: "
-                       "set XLA_FLAGS=--xla_force_host_platform_device_count=1.")
-  report = Worker(plan, process_id).run()
-  output = pathlib.Path(plan["output_dir"]) / f"process{process_id}.json"
-  output.write_text(json.dumps(report) + "\n")
+  # A lost process ends the others within the failure timeout, not JAX's 100 s.
+  with qsgd_jax.initialize_distributed(
+      plan["coordinator_address"], plan["num_processes"], process_id,
+      failure_timeout=plan["failure_timeout"], initialization_timeout=120):
+    if jax.local_device_count() != 1:
+      raise RuntimeError(f"expected one CPU device a process, got {jax.local_device_count()}: "
+                         "set XLA_FLAGS=--xla_force_host_platform_device_count=1.")
+    report = Worker(plan, process_id).run()
+    output = pathlib.Path(plan["output_dir"]) / f"process{process_id}.json"
+    output.write_text(json.dumps(report) + "\n")
   jax.distributed.shutdown()
 
 

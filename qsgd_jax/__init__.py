@@ -11,9 +11,12 @@ Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
 and a ``jax.jit`` training step over a mesh that uses them
 (:func:`data_parallel`).
+For long multi-process runs: :func:`initialize_distributed`, which ends every
+process soon after one is lost, and :func:`resize_state` (:mod:`qsgd_jax.resize`),
+which resumes per-device state on another number of devices.
 """
 
-from qsgd_jax import elias
+from qsgd_jax import elias, resize
 from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
 from qsgd_jax._src.axes import as_varying
 from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
@@ -26,6 +29,7 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
 from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.minmax import MinMax
@@ -34,6 +38,7 @@ from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
 from qsgd_jax._src.powersgd import PowerSGDState, powersgd
 from qsgd_jax._src.qsgd import QSGD, EliasSize
+from qsgd_jax._src.resize import resize_state
 from qsgd_jax._src.sharding import state_partition_specs
 from qsgd_jax._src.stats import CompressionStats, compression_stats
 from qsgd_jax._src.transforms import (
@@ -49,6 +54,7 @@ from qsgd_jax._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 __version__ = "0.1.0"
 
 __all__ = (
+    "LOST_PROCESS_EXIT_CODE",
     "AccumulationState",
     "Cast",
     "Collective",
@@ -66,6 +72,7 @@ __all__ = (
     "OneBit",
     "Payload",
     "PowerSGDState",
+    "ProcessWatch",
     "QSGD",
     "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
@@ -82,6 +89,7 @@ __all__ = (
     "fsdp_gather",
     "fsdp_remat_policy",
     "fsdp_shard",
+    "initialize_distributed",
     "low_precision_decentralized",
     "onebit_adam",
     "onebit_sgd",
@@ -91,6 +99,8 @@ __all__ = (
     "quantized_pmean",
     "quantized_psum",
     "quantized_psum_scatter",
+    "resize",
+    "resize_state",
     "scale_by_onebit_adam",
     "state_partition_specs",
     "wire_bytes",

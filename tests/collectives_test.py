@@ -388,23 +388,27 @@ def test_unbound_axis_name_raises_name_error():
     jax.jit(lambda x: qsgd_jax.quantized_pmean(x, AXIS, qsgd_jax.QSGD(), KEY))(jnp.ones(8192))
 
 
-def test_non_float_leaves_go_as_jax_lax_takes_them():
-  """Integer leaves are summed (or averaged, to floats) exactly; float0 ones pass through."""
+def test_non_float_leaves_keep_their_dtype():
+  """Integer leaves: psum's sum, pmean's mean cast back; bools: any device's; float0 passes."""
   steps = jnp.arange(NUM_DEVICES, dtype=jnp.int32)[:, None] * jnp.ones((1, 3), jnp.int32)
-  tree = {"w": jnp.ones((NUM_DEVICES, 8192)), "step": steps,
-          "grad_of_int": np.zeros((NUM_DEVICES, 2), jax.dtypes.float0)}
+  flags = jnp.zeros((NUM_DEVICES, 2), bool).at[5, 0].set(True)
+  tree = {"w": jnp.ones((NUM_DEVICES, 8192)), "step": steps, "small": steps.astype(jnp.uint8),
+          "flag": flags, "grad_of_int": np.zeros((NUM_DEVICES, 2), jax.dtypes.float0)}
 
   def reduce(t):
-    return {reduce.__name__: qsgd_jax.quantized_psum(t, AXIS, qsgd_jax.QSGD(), KEY),
+    return {"sum": qsgd_jax.quantized_psum(t, AXIS, qsgd_jax.QSGD(), KEY),
             "mean": qsgd_jax.quantized_pmean(t, AXIS, qsgd_jax.QSGD(), KEY),
-            "lax_mean": jax.lax.pmean(t["step"], AXIS)}
+            "cast_lax_mean": jax.lax.pmean(t["step"], AXIS).astype(jnp.int32)}
 
   out = jax.pmap(reduce, axis_name=AXIS)(tree)
-  np.testing.assert_array_equal(out["reduce"]["step"], jnp.full((NUM_DEVICES, 3), 28))
-  assert out["reduce"]["step"].dtype == jnp.int32
-  np.testing.assert_array_equal(out["mean"]["step"], out["lax_mean"])
-  assert out["mean"]["step"].dtype == out["lax_mean"].dtype
-  assert out["mean"]["grad_of_int"].dtype == jax.dtypes.float0
+  for reduced in ("sum", "mean"):
+    for name in ("step", "small", "flag", "grad_of_int"):
+      assert out[reduced][name].dtype == tree[name].dtype, (reduced, name)
+    np.testing.assert_array_equal(out[reduced]["flag"], np.tile([True, False], (NUM_DEVICES, 1)))
+  np.testing.assert_array_equal(out["sum"]["step"], jnp.full((NUM_DEVICES, 3), 28))
+  np.testing.assert_array_equal(out["mean"]["step"], out["cast_lax_mean"])
+  np.testing.assert_array_equal(out["mean"]["step"], 3)  # 3.5 rounded toward zero.
+  np.testing.assert_array_equal(out["mean"]["small"], 3)
   np.testing.assert_array_equal(out["mean"]["w"], 1.0)
 
 

@@ -280,6 +280,30 @@ def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
   assert_replicas_identical(params)
 
 
+def test_wrapping_in_apply_if_finite_is_refused_at_trace_time_under_pmap_and_shard_map():
+  # Each device would test its own gradient: device 3 skips, the others wait for it forever.
+  tx = optax.apply_if_finite(optax.chain(qsgd_jax.qsgd(AXIS), optax.sgd(0.1)), 3)
+  params = _stacked(_PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  with pytest.raises(ValueError, match=r"compressed_allreduce is wrapped in "
+                     r"optax.apply_if_finite.*Put it after this transform"):
+    jax.pmap(tx.update, axis_name=AXIS).lower(_gaussian(0), state)
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  train = qsgd_jax.data_parallel(lambda p, batch: jnp.mean((p["w"] * batch) ** 2), tx, mesh)
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+      _PARAMS)
+  batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
+                               sharding=NamedSharding(mesh, P(AXIS)))
+  with pytest.raises(ValueError, match="wrapped in optax.apply_if_finite"):
+    jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
+  # The decentralized exchange likewise; its inner optimizer may be wrapped.
+  ring = optax.apply_if_finite(qsgd_jax.low_precision_decentralized(optax.sgd(0.1), AXIS), 3)
+  with pytest.raises(ValueError, match="Wrap the inner optimizer instead"):
+    jax.pmap(ring.update, axis_name=AXIS).lower(
+        _gaussian(0), jax.pmap(ring.init, axis_name=AXIS)(params), params)
+
+
 def test_a_residual_overflowing_finite_updates_is_not_a_nonfinite_step():
   # QSGD's scales tell a step that its updates are finite. Device 3's scales
   # are inf here while its updates are not: the step reads them and goes on.
@@ -437,17 +461,21 @@ def test_unbound_axis_name_is_a_name_error():
                   out_specs=P())(_first(_gaussian(0)))
 
 
-def test_integer_leaves_are_averaged_as_pmean_does_and_float0_pass():
+def test_integer_leaves_are_pmean_cast_back_and_bool_and_float0_keep_their_dtype():
   """``jax.grad(..., allow_int=True)`` gives float0 leaves; they, and integer leaves, pass."""
   tx = qsgd_jax.qsgd(AXIS, error_feedback="worker")
   updates = {"w": _gaussian(3)["w"],
              "step": jnp.arange(NUM_DEVICES * 3, dtype=jnp.int32).reshape(NUM_DEVICES, 3),
+             "mask": jnp.zeros((NUM_DEVICES, 2), bool).at[0, 1].set(True),
              "int_param": np.zeros((NUM_DEVICES, 4), jax.dtypes.float0)}
   state = jax.pmap(tx.init, axis_name=AXIS)(updates)
   mean, state = jax.pmap(tx.update, axis_name=AXIS)(updates, state)
-  exact = jax.pmap(lambda u: jax.lax.pmean(u, AXIS), axis_name=AXIS)(updates["step"])
+  exact = jax.pmap(lambda u: jax.lax.pmean(u, AXIS).astype(u.dtype),
+                   axis_name=AXIS)(updates["step"])
   np.testing.assert_array_equal(mean["step"], exact)
-  assert mean["int_param"].dtype == jax.dtypes.float0
+  np.testing.assert_array_equal(mean["mask"], np.tile([False, True], (NUM_DEVICES, 1)))
+  assert {name: mean[name].dtype for name in ("step", "mask", "int_param")} == {
+      "step": jnp.int32, "mask": jnp.bool_, "int_param": jax.dtypes.float0}
   assert_replicas_identical(mean["w"])
   assert [e.shape for e in state.local_error] == [(NUM_DEVICES, 64 * 128)]
 
@@ -521,10 +549,10 @@ def test_warm_up_averages_integer_leaves_as_the_compressed_steps_do():
     return first, tx.update(grads, state1)[0]
 
   warm, compressed = jax.pmap(two_steps, axis_name=AXIS)(grads)
-  expected = np.mean(np.asarray(grads["step"]), axis=0)
+  expected = np.mean(np.asarray(grads["step"]), axis=0).astype(np.int32)
   for mean in (warm, compressed):
-    assert mean["step"].dtype == jnp.float32
-    np.testing.assert_allclose(mean["step"][0], expected)
+    assert mean["step"].dtype == jnp.int32
+    np.testing.assert_array_equal(mean["step"][0], expected)
 
 
 # Warm-up and statistics.

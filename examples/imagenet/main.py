@@ -5,10 +5,17 @@
 Without accelerators, JAX is given eight simulated CPU devices (unless
 ``XLA_FLAGS`` already sets their number). With ``--multihost``, or in a cluster
 JAX recognizes (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, ...), every
-process calls ``jax.distributed.initialize`` first and feeds its own devices;
-CPU devices then communicate over gloo.
+process starts with ``qsgd_jax.initialize_distributed`` and feeds its own
+devices; CPU devices then communicate over gloo. When a process is lost, the
+others end within ``--failure_timeout`` seconds (and two heartbeats) with
+status 75 and one line naming it; started again, the run resumes from its last
+good checkpoint.
+
+Errors of the run itself end it with status 1 and one line: a non-finite loss
+(with the step), or a workdir whose checkpoints all fail verification.
 """
 
+import contextlib
 import os
 
 from absl import app, flags, logging
@@ -18,10 +25,14 @@ from examples.imagenet import devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl and summary.json.")
-flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize (one process per host).")
+flags.DEFINE_bool("multihost", False,
+                  "Start with qsgd_jax.initialize_distributed (one process per host).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --multihost).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --multihost).")
 flags.DEFINE_integer("process_id", None, "This process's index (with --multihost).")
+flags.DEFINE_float("failure_timeout", 10.0,
+                   "With --multihost: seconds without a heartbeat after which a process counts as"
+                   " lost and the others end (qsgd_jax.initialize_distributed).")
 config_flags.DEFINE_config_file("config", None, "Training configuration file.", lock_config=True)
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -41,20 +52,22 @@ def main(argv):
   devices.simulate_cpu_devices()
   import jax  # After the device flags.
 
+  import qsgd_jax
   from examples.imagenet import train
 
+  run = contextlib.nullcontext()
   if FLAGS.multihost or in_multiprocess_cluster():
-    # CPU devices of different processes reach each other over gloo's TCP collectives.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes,
-        process_id=FLAGS.process_id,
-    )
-  logging.info("Process %d of %d, with %d of the %d %s devices.", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count(),
-               jax.default_backend())
-  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    run = qsgd_jax.initialize_distributed(
+        FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+        failure_timeout=FLAGS.failure_timeout)
+  with run:
+    logging.info("Process %d of %d, with %d of the %d %s devices.", jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count(),
+                 jax.default_backend())
+    try:
+      train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except train.RunError as error:  # One line, no traceback: what happened and what to do.
+      raise SystemExit(str(error)) from None
 
 
 if __name__ == "__main__":

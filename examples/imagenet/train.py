@@ -9,8 +9,12 @@ axis, and the metrics are averaged with ``lax.pmean``. The step runs under
 ``qsgd_jax.data_parallel`` (``config.parallelism``).
 
 The state is checkpointed with orbax every ``config.checkpoint_every_steps``
-steps and at the end, into ``workdir/checkpoints``; a run started in a
-workdir that has checkpoints resumes from the latest, its data where it was.
+steps and at the end, into ``workdir/checkpoints``, each with a manifest of
+checksums (``examples/checkpoints.py``); a run started in a workdir that has
+checkpoints resumes from the newest that passes verification, its data where
+it was, on this run's device count. A non-finite training loss stops the run
+before a checkpoint holds it, unless ``config.skip_nonfinite_steps`` says to
+skip such steps.
 """
 
 import contextlib
@@ -27,14 +31,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import tqdm
+from absl import logging
 from flax import jax_utils
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from examples import checkpoints as checkpointing
 from examples.imagenet import input_pipeline, models
 
 AXIS = "batch"
@@ -45,6 +50,14 @@ PARALLELISMS = ("pmap", "shard_map", "jit")
 
 class TrainState(train_state.TrainState):
   batch_stats: Any
+
+
+class RunError(Exception):
+  """The run cannot go on; the message is one line: what happened, and what to do."""
+
+
+class NonFiniteLossError(RunError):
+  """A training loss was NaN or infinite (more often in a row than the config skips)."""
 
 
 def create_model(config: ml_collections.ConfigDict, num_classes: int):
@@ -110,12 +123,19 @@ def create_optimizer(config: ml_collections.ConfigDict,
   ``decentralized8`` has no all-reduce: every device takes its own SGD step and
   exchanges 8-bit differences of its model with its two ring neighbours, in
   Bagua's buckets and with Bagua's quantizer (the library's defaults).
+
+  With ``config.skip_nonfinite_steps = k > 0`` the SGD step is wrapped in
+  ``optax.apply_if_finite(..., k)``, after the averaging: a NaN or inf on any
+  device makes the averaged gradient non-finite on every device, so all skip
+  the step together (decentralized workers skip their own).
   """
   is_kernel = functools.partial(jax.tree.map, lambda x: x.ndim > 1)
   local_step = optax.chain(
       optax.add_decayed_weights(config.weight_decay, mask=is_kernel),
       optax.sgd(learning_rate_fn, momentum=config.momentum, nesterov=config.nesterov),
   )
+  if config.skip_nonfinite_steps:
+    local_step = optax.apply_if_finite(local_step, config.skip_nonfinite_steps)
   if config.compression == "decentralized8":
     return qsgd_jax.low_precision_decentralized(local_step, AXIS, key=config.seed)
   return optax.chain(gradient_averaging(config), local_step)
@@ -147,12 +167,19 @@ def wire_metrics(opt_state) -> dict[str, jax.Array]:
   }
 
 
-def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
-  """One step on one device's share of the batch; call it under pmap or shard_map."""
+def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
+               skips_nonfinite: bool = False):
+  """One step on one device's share of the batch; call it under pmap or shard_map.
+
+  With ``skips_nonfinite``, a step whose mean loss is not finite keeps the
+  BatchNorm statistics too, as the optimizer keeps the params.
+  """
   grad_fn = jax.value_and_grad(functools.partial(loss_fn, apply_fn=state.apply_fn), has_aux=True)
   # Each device's own gradient: under shard_map, that of its own (varying) copy of the params.
   (loss, (accuracy, batch_stats)), grads = grad_fn(
       qsgd_jax.as_varying(state.params, AXIS), batch, state.batch_stats)
+  if skips_nonfinite:
+    batch_stats = _kept_if_nonfinite(jax.lax.pmean(loss, AXIS), batch_stats, state.batch_stats)
   # No lax.pmean(grads, AXIS) here: the optimizer's first transform averages them.
   state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
   metrics = {"loss": loss, "accuracy": accuracy, "learning_rate": learning_rate_fn(state.step - 1)}
@@ -160,18 +187,25 @@ def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
 
 
 def jit_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
-                   data_parallel_step: Callable):
+                   data_parallel_step: Callable, skips_nonfinite: bool = False):
   """One step over the whole batch, under ``jax.jit``; ``data_parallel_step`` from data_parallel.
 
   ``data_parallel_step`` differentiates :func:`loss_fn` on each device's share
   and applies the averaged updates; its loss and accuracy come back averaged.
+  ``skips_nonfinite`` as in :func:`train_step`.
   """
   params, opt_state, (loss, (accuracy, batch_stats)) = data_parallel_step(
       state.params, state.opt_state, batch, state.batch_stats)
+  if skips_nonfinite:
+    batch_stats = _kept_if_nonfinite(loss, batch_stats, state.batch_stats)
   metrics = {"loss": loss, "accuracy": accuracy, "learning_rate": learning_rate_fn(state.step)}
   state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                         batch_stats=batch_stats)
   return state, metrics | wire_metrics(opt_state)
+
+
+def _kept_if_nonfinite(mean_loss: jax.Array, new, old):
+  return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(mean_loss), n, o), new, old)
 
 
 def eval_step(state: TrainState, batch, average_params: bool):
@@ -238,7 +272,8 @@ def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
                                    batch_stats=batch_stats))
 
   def step(state, batch):
-    state, metrics = train_step(unstack(state), batch, learning_rate_fn)
+    state, metrics = train_step(unstack(state), batch, learning_rate_fn,
+                                skips_nonfinite=config.skip_nonfinite_steps > 0)
     return stack(state), metrics
 
   def evaluate(state, batch):
@@ -283,7 +318,8 @@ def parallelize(config, model, tx, learning_rate_fn, params, batch_stats):
                        opt_state=data_parallel.init(params), batch_stats=batch_stats)
     specs = _state_specs(state, stacked)
     train = jax.jit(functools.partial(jit_train_step, learning_rate_fn=learning_rate_fn,
-                                      data_parallel_step=data_parallel.step),
+                                      data_parallel_step=data_parallel.step,
+                                      skips_nonfinite=config.skip_nonfinite_steps > 0),
                     donate_argnums=(0,))
   else:
     specs = _state_specs(jax.eval_shape(init, params, batch_stats), stacked)
@@ -323,38 +359,49 @@ def wire_bytes_from_hlo(compiled_step) -> dict[str, float]:
   return by_kind
 
 
+# The settings that shape the saved state besides the device count: a checkpoint
+# saved with others is refused rather than half restored.
+_STATE_SETTINGS = ("model", "compression", "parallelism", "min_compressed_size", "bucket_size",
+                   "skip_nonfinite_steps")
+
+
 def checkpoint_manager(workdir: pathlib.Path, config):
-  """Orbax's manager of ``workdir/checkpoints``, or a null context if checkpoints are off.
+  """The verified checkpoints of ``workdir/checkpoints``, or a null context if they are off.
 
   It saves every ``config.checkpoint_every_steps`` steps (and, when forced, at
-  the end) and keeps the latest two; ``config.checkpoint_every_steps <= 0``
-  turns checkpoints, and resuming, off. Use it in a ``with`` statement: leaving
-  it waits for the saves in flight.
+  the end), each with its manifest of checksums, and keeps the latest two;
+  ``config.checkpoint_every_steps <= 0`` turns checkpoints, and resuming, off.
+  Use it in a ``with`` statement: leaving it waits for the saves in flight.
   """
   if config.checkpoint_every_steps <= 0:
     return contextlib.nullcontext()
-  return ocp.CheckpointManager(
-      (workdir / "checkpoints").absolute(),
-      options=ocp.CheckpointManagerOptions(
-          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
-              config.checkpoint_every_steps),
-          preservation_policy=ocp.checkpoint_managers.LatestN(2),
-      ),
-  )
+  settings = {name: config[name] for name in _STATE_SETTINGS}
+  settings["skip_nonfinite_steps"] = bool(settings["skip_nonfinite_steps"])  # Its state's shape.
+  return checkpointing.VerifiedCheckpoints(workdir / "checkpoints", config.checkpoint_every_steps,
+                                           keep=2, settings=settings)
 
 
-def restore_checkpoint(checkpoints, state: TrainState) -> tuple[TrainState, int]:
-  """The latest checkpoint's state and step, or ``state`` and 0 if there is none.
+def restore_checkpoint(checkpoints, state: TrainState, config) -> tuple[TrainState, int]:
+  """The newest good checkpoint's state and step, or ``state`` and 0 if there is none.
 
   ``state`` is the freshly initialized state: its arrays' shapes, dtypes and
   shardings are the restore target, so each array comes back laid out as
-  training lays it out.
+  training lays it out. A checkpoint saved on another device count has its
+  per-device state redistributed (:func:`qsgd_jax.resize_state`; with
+  ``config.drop_residuals_when_resized``, error-feedback residuals start at
+  zero instead).
+
+  Raises:
+    RunError: no checkpoint passes verification, or the newest good one was
+      saved with other settings or cannot be laid out for this device count.
   """
-  step = checkpoints.latest_step() if checkpoints is not None else None
-  if step is None:
-    return state, 0
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  return checkpoints.restore(step, args=ocp.args.StandardRestore(target)), step
+  stacked = (config.parallelism == "pmap"
+             or (config.parallelism == "shard_map" and config.compression == "decentralized8"))
+  try:
+    return checkpointing.resume(checkpoints, state, stacked=stacked,
+                                drop_residuals=config.drop_residuals_when_resized)
+  except checkpointing.CheckpointError as error:
+    raise RunError(str(error)) from None
 
 
 def evaluate(mapped: Mapped, state: TrainState, config, num_batches: int) -> dict[str, float]:
@@ -386,6 +433,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     for the gradients each step), ``fp32_wire_bytes_per_step`` (the same for a
     float32 all-reduce), their ratio, the bytes read from the compiled HLO, and
     timings of this process's steps.
+
+  Raises:
+    RunError: the run cannot go on (a :class:`NonFiniteLossError`, or no
+      checkpoint to resume from that passes verification and fits); its
+      message is one line.
   """
   _check_config(config)
   workdir = pathlib.Path(workdir)
@@ -406,8 +458,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   num_params = sum(x.size for x in jax.tree.leaves(params))
   mapped, state = parallelize(config, model, tx, learning_rate_fn, params, batch_stats)
   with checkpoint_manager(workdir, config) as checkpoints:
-    state, first_step = restore_checkpoint(checkpoints, state)
+    state, first_step = restore_checkpoint(checkpoints, state, config)
     train_records = _metrics_before(workdir / "metrics.jsonl", first_step) if is_main else []
+    logging.info("Training from step %d of %d.", first_step, num_steps)
 
     batches = map(mapped.put_batch, input_pipeline.train_batches(config, first_step))
     batch = next(batches)
@@ -428,6 +481,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     loop_start = time.perf_counter()
     window, window_start, window_seconds, train_seconds = [], loop_start, 0.0, 0.0
     eval_metrics: dict[str, float] = {}
+    # Losses not yet read on the host, and the non-finite ones: each is read before the
+    # state after it is logged, evaluated or saved.
+    unread, nonfinite = [], NonFinite(config.skip_nonfinite_steps)
     progress = tqdm.trange(first_step, num_steps, initial=first_step, total=num_steps,
                            desc=config.compression, disable=not is_main)
     for step in progress:
@@ -435,9 +491,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if block_every_step:
         jax.block_until_ready((state, metrics))
       window.append(metrics)
+      unread.append(metrics["loss"])
       if step + 1 < num_steps:
         batch = next(batches)
       done = step + 1
+      saving = checkpoints is not None and (done == num_steps or checkpoints.should_save(done))
+      if (saving or done % config.log_every_steps == 0 or done % eval_every == 0
+          or done == num_steps):
+        nonfinite.read(unread, last_step=done)
+        unread = []
       if done % config.log_every_steps == 0 or done == num_steps:
         records = [{name: _scalar(value) for name, value in m.items()} for m in window]
         elapsed = window_seconds + time.perf_counter() - window_start
@@ -462,9 +524,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                               "train_seconds": train_seconds + window_seconds,
                               "wall_seconds": time.perf_counter() - loop_start})
         window_start = time.perf_counter()
-      if checkpoints is not None:
+      if saving:
         window_seconds += time.perf_counter() - window_start
-        checkpoints.save(done, args=ocp.args.StandardSave(state), force=done == num_steps)
+        checkpoints.save(done, state, force=done == num_steps)
         window_start = time.perf_counter()
     progress.close()
     if metrics_file is not None:
@@ -495,6 +557,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
+      "skipped_nonfinite_steps": nonfinite.skipped,
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,
       "train_seconds": train_seconds,
       "compile_seconds": compile_seconds,
@@ -514,6 +577,45 @@ def _check_config(config) -> None:
   if config.parallelism == "jit" and config.compression == "decentralized8":
     raise ValueError("config.compression 'decentralized8' keeps one model per device, but "
                      "config.parallelism 'jit' replicates the params: use 'pmap' or 'shard_map'.")
+
+
+class NonFinite:
+  """Counts non-finite training losses, and stops the run at one too many.
+
+  Args:
+    skip: consecutive non-finite steps the optimizer skips
+      (``config.skip_nonfinite_steps``); one more stops the run, and with 0 the
+      first does.
+  """
+
+  def __init__(self, skip: int):
+    self.skip = skip
+    self.in_a_row = 0
+    self.skipped = 0
+
+  def read(self, losses: list, last_step: int) -> None:
+    """Reads the losses of the steps up to ``last_step``.
+
+    Raises:
+      NonFiniteLossError: at the first loss past the skips, naming its step.
+    """
+    for offset, loss in enumerate(losses):
+      value, step = _scalar(loss), last_step - len(losses) + offset + 1
+      if math.isfinite(value):
+        self.in_a_row = 0
+        continue
+      self.in_a_row += 1
+      if self.in_a_row > self.skip:
+        if self.skip:
+          raise NonFiniteLossError(
+              f"Non-finite training loss ({value}) at step {step}, {self.in_a_row} steps in a "
+              f"row, more than config.skip_nonfinite_steps={self.skip}: stopping before a "
+              "checkpoint holds it.")
+        raise NonFiniteLossError(
+            f"Non-finite training loss ({value}) at step {step}: stopping before a checkpoint "
+            "holds it. Lower the learning rate, or set config.skip_nonfinite_steps to skip "
+            "such steps.")
+      self.skipped += 1
 
 
 def _metrics_before(path: pathlib.Path, first_step: int) -> list[dict[str, Any]]:

@@ -139,14 +139,23 @@ def test_a_resumed_run_equals_an_uninterrupted_run(parallelism, tmp_path):
   uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
   train.train_and_evaluate(config, str(uninterrupted))
 
-  # A run stopped after step 5 has the checkpoint of step 4 and the metrics of steps 1 to 5.
-  shutil.copytree(uninterrupted / "checkpoints" / "4", interrupted / "checkpoints" / "4")
+  # A run stopped after step 6 has the checkpoints of steps 4 and 6 and the metrics of steps 1
+  # to 6; then the checkpoint of step 6 is damaged (64 bytes flipped in its largest file).
+  for step in (4, 6):
+    shutil.copytree(uninterrupted / "checkpoints" / str(step),
+                    interrupted / "checkpoints" / str(step))
+  data = max((p for p in (interrupted / "checkpoints" / "6").rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+  content = bytearray(data.read_bytes())
+  content[100:164] = bytes(b ^ 0xFF for b in content[100:164])
+  data.write_bytes(bytes(content))
   records = (uninterrupted / "metrics.jsonl").read_text().splitlines()
   (interrupted / "metrics.jsonl").write_text(
-      "".join(line + "\n" for line in records if json.loads(line)["step"] <= 5))
+      "".join(line + "\n" for line in records if json.loads(line)["step"] <= 6))
   summary = train.train_and_evaluate(config, str(interrupted))
 
-  assert summary["first_step"] == 4
+  assert summary["first_step"] == 4  # Step 6 failed verification and was set aside.
+  assert (interrupted / "invalid_checkpoints" / "6").is_dir()
   final = _checkpoint(uninterrupted, 6)
   resumed = _checkpoint(interrupted, 6)
   assert jax.tree.structure(resumed) == jax.tree.structure(final)
@@ -154,6 +163,51 @@ def test_a_resumed_run_equals_an_uninterrupted_run(parallelism, tmp_path):
     np.testing.assert_array_equal(got, expected)
   assert np.asarray(final["opt_state"][0]["local_error"][0]).any()  # The residuals came back.
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
+
+
+def _poisoned_at(step: int, monkeypatch):
+  """Makes the batch of training step ``step`` (from 1) all NaN images."""
+  batches = input_pipeline.train_batches
+
+  def poisoned(config, start_step=0):
+    for index, batch in enumerate(batches(config, start_step), start=start_step + 1):
+      if index == step:
+        batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+      yield batch
+
+  monkeypatch.setattr(input_pipeline, "train_batches", poisoned)
+
+
+def _nonfinite_config():
+  config = _fake_data_config("qsgd4", "shard_map")
+  config.num_train_steps = 4
+  config.checkpoint_every_steps = 2
+  config.log_every_steps = 4
+  config.eval_every_steps = 4
+  config.steps_per_eval = 1
+  return config
+
+
+def test_a_nonfinite_loss_stops_the_run_at_its_step_before_a_checkpoint_holds_it(
+    tmp_path, monkeypatch):
+  _poisoned_at(3, monkeypatch)
+  with pytest.raises(train.NonFiniteLossError, match=r"Non-finite training loss \(nan\) at "
+                     r"step 3: stopping.*config.skip_nonfinite_steps") as raised:
+    train.train_and_evaluate(_nonfinite_config(), str(tmp_path))
+  assert "\n" not in str(raised.value)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_skipped_nonfinite_step_leaves_params_and_batch_statistics_as_they_were(
+    tmp_path, monkeypatch):
+  _poisoned_at(3, monkeypatch)
+  config = _nonfinite_config()
+  config.skip_nonfinite_steps = 1
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  assert summary["skipped_nonfinite_steps"] == 1
+  final = _checkpoint(tmp_path, 4)
+  for leaf in jax.tree.leaves((final["params"], final["batch_stats"])):
+    assert np.isfinite(leaf).all()
 
 
 @pytest.mark.parametrize("dataset", ["digits", "fake"])

@@ -11,6 +11,8 @@ and sizes from it.
 """
 
 import dataclasses
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +180,41 @@ def check_varying(tree, axes: Axes, owner: str) -> None:
           f"respect to qsgd_jax.as_varying(params, {axes.name!r}) (that is, "
           f"jax.lax.pcast(params, {axes.name!r}, to='varying')) instead."
       )
+
+
+# optax.apply_if_finite runs the transformation it wraps in this function of this file: one
+# branch of a jax.lax.cond whose predicate each device computes from its own updates.
+_APPLY_IF_FINITE_BRANCH = ("do_update", os.path.join("optax", "transforms", "_conditionality.py"))
+
+
+def check_not_in_apply_if_finite(owner: str, instead: str) -> None:
+  """Raises when traced inside ``optax.apply_if_finite``, whose devices would hang.
+
+  ``apply_if_finite(inner)`` tests each device's own updates for NaN and inf
+  and runs ``inner`` in one branch of a ``jax.lax.cond``: a device whose
+  gradient is not finite takes the other branch, and the devices that took
+  this one wait in its collectives for it until the runtime gives up (under
+  ``jax.pmap``; ``jax.shard_map`` refuses the branches' types with a less
+  direct message). The predicate is a value, known only when the step runs:
+  trace time can only tell where the trace is, so the Python frames that
+  called this are read for ``apply_if_finite``'s branch.
+
+  Args:
+    owner: the transformation, named in the error.
+    instead: what to do instead, the error's last sentence.
+
+  Raises:
+    ValueError: naming ``owner``, the reason and ``instead``.
+  """
+  name, path = _APPLY_IF_FINITE_BRANCH
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code.co_name == name and frame.f_code.co_filename.endswith(path):
+      raise ValueError(
+          f"{owner} is wrapped in optax.apply_if_finite, which tests each device's own "
+          "updates: devices that disagree would take different branches around its "
+          f"collectives and hang. {instead}")
+    frame = frame.f_back
 
 
 def _bound_size(name: str, owner: str) -> int:

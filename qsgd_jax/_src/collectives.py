@@ -79,8 +79,9 @@ def quantized_psum(
   Args:
     tree: a pytree of arrays. Float leaves (float32, bfloat16, float16) are
       quantized or summed in float32 by size; integer leaves are summed as
-      ``jax.lax.psum`` sums them; ``float0`` leaves (``jax.grad`` with
-      ``allow_int=True``) are returned as they are.
+      ``jax.lax.psum`` sums them, bool leaves come back ``True`` where any
+      device's is; ``float0`` leaves (``jax.grad`` with ``allow_int=True``)
+      are returned as they are.
     axis_name: a mapped axis name, or a tuple ``(outer, inner, ...)``: then the
       sum over the inner axes is taken in full precision (a reduce-scatter
       and an all-gather over the fast links) and only the outer axis is
@@ -136,8 +137,9 @@ def quantized_pmean(
 
   The mean counterpart of :func:`quantized_psum`, with the same arguments
   and guarantees; the sum is divided by the axis size before the second
-  quantization. Integer leaves are averaged as ``jax.lax.pmean`` averages
-  them (to floats).
+  quantization. Integer and bool leaves keep their dtype: ``jax.lax.pmean``'s
+  mean cast back, ``pmean(x).astype(x.dtype)`` (rounded toward zero; a bool
+  ``True`` where any device's is).
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax

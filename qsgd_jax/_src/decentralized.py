@@ -235,6 +235,11 @@ def low_precision_decentralized(
           "call update(updates, state, params)."
       )
     base.check_float_leaves(params, "low_precision_decentralized")
+    axes.check_not_in_apply_if_finite(
+        "qsgd_jax.low_precision_decentralized",
+        "Wrap the inner optimizer instead, low_precision_decentralized(optax.apply_if_finite("
+        "optax.sgd(...), max_consecutive_errors), ...): each worker then skips its own "
+        "non-finite step and still exchanges with its peers.")
     size, *local_sizes = parsed.sizes(_OWNER)
     # Each worker applies its own gradient: one summed over the axis by autodiff is n times it.
     axes.check_varying(updates, parsed, _OWNER)

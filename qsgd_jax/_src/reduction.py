@@ -65,8 +65,8 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   Args:
     plan: from :func:`~qsgd_jax._src.plan.make_plan` for this tree.
     tree: a pytree of arrays, this device's values: float leaves are reduced
-      as the plan says, integer ones by the plain ``jax.lax`` collective
-      (``pmean`` gives floats), ``float0`` ones returned as they are.
+      as the plan says, integer and bool ones by :func:`reduce_integer`,
+      ``float0`` ones returned as they are.
     key: a PRNG key, the same on every device.
     mean: divide by the number of devices (before the second quantization).
     local_error: for each segment, ``float32[length]``, added to what this
@@ -94,10 +94,9 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
   sent_error = new_owner_error = None
   payloads = {}
 
-  if plan.integer and not axes.is_local:  # As jax.lax would: pmean gives floats.
-    reduce_exact = jax.lax.pmean if mean else jax.lax.psum
+  if plan.integer and not axes.is_local:
     for i in plan.integer:
-      out[i] = reduce_exact(leaves[i], axes.name)
+      out[i] = reduce_integer(leaves[i], axes.name, mean=mean)
   if plan.full_precision and not axes.is_local:
     summed = _psum_flat([leaves[i] for i in plan.full_precision], axes.name)
     for i, value in zip(plan.full_precision, summed, strict=True):
@@ -129,6 +128,19 @@ def reduce(plan: ReductionPlan, tree, key: jax.Array, *, mean: bool,
       owner_error=None if new_owner_error is None else tuple(new_owner_error),
       payloads=payloads,
   )
+
+
+def reduce_integer(x: jax.Array, axis_name, *, mean: bool) -> jax.Array:
+  """An integer or bool leaf's sum or mean over ``axis_name``, in its own dtype.
+
+  The sum is ``jax.lax.psum``'s (integers wrap around as it wraps them); the
+  mean is ``jax.lax.pmean``'s cast back, ``pmean(x).astype(x.dtype)``, as its
+  user would cast it: rounded toward zero (exact while the sum fits float32's
+  24 bits). A bool leaf comes back ``True`` where any device's is, from its sum
+  and from its mean alike.
+  """
+  reduced = jax.lax.pmean(x, axis_name) if mean else jax.lax.psum(x, axis_name)
+  return reduced.astype(x.dtype)
 
 
 # The payloads in which each method encodes all the values a device compresses.
@@ -215,7 +227,8 @@ def _reduce_scatter_in_scope(plan: ReductionPlan, tree, key: jax.Array) -> Reduc
   payloads = {}
   for i in plan.integer:
     rows = axes_lib.as_varying(layout.scatter_rows(plan, i, leaves[i]), everyone)
-    out[i] = layout.output_leaf(plan, i, jax.lax.psum_scatter(rows, everyone, tiled=False))
+    out[i] = layout.output_leaf(
+        plan, i, jax.lax.psum_scatter(rows, everyone, tiled=False)).astype(leaves[i].dtype)
   if plan.full_precision:
     rows = [layout.scatter_rows(plan, i, leaves[i].astype(jnp.float32))
             for i in plan.full_precision]

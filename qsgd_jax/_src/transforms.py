@@ -13,6 +13,10 @@ from qsgd_jax._src.onebit import OneBit
 from qsgd_jax._src.qsgd import QSGD
 
 ErrorFeedback = bool | Literal["worker", "owner", "both"]
+_APPLY_IF_FINITE_AFTER = (
+    "Put it after this transform in the chain instead, e.g. optax.chain(qsgd_jax.qsgd(...), "
+    "optax.apply_if_finite(optax.sgd(...), max_consecutive_errors)): a non-finite value on any "
+    "device makes the mean non-finite on every device, so all skip the step together.")
 
 
 class CompressedAllReduceState(NamedTuple):
@@ -89,15 +93,26 @@ def compressed_allreduce(
   precision, by autodiff. Under ``jax.pmap`` nothing is needed: the state gets
   pmap's leading axis.
 
-  A NaN or inf in any device's updates makes the mean NaN on every device (as
-  ``jax.lax.pmean`` would) and leaves the residuals as they were, so
-  ``optax.apply_if_finite`` placed after this transform in the chain skips
-  the step on every device. Do not wrap this transform in ``apply_if_finite``:
-  each device would test its own updates, and devices that disagree take
-  different branches around the collectives and hang. For QSGD and MinMax
-  with the ``"two_phase"`` or ``"all_gather"`` method the test costs next to
-  nothing: it reads the scales the step sends, NaN or inf exactly where a
-  bucket holds such a value, and reads the updates again only then.
+  Non-finite updates: a NaN or inf in any device's updates makes the mean NaN
+  on every device (as ``jax.lax.pmean`` would) and leaves the residuals as
+  they were, so ``optax.apply_if_finite`` placed *after* this transform in the
+  chain skips the step on every device together::
+
+    optax.chain(qsgd_jax.qsgd("batch"),
+                optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=5))
+
+  Wrapping this transform *in* ``apply_if_finite`` is refused at trace time
+  (a ``ValueError``): each device would test its own updates, and devices
+  that disagree would take different branches around the collectives and
+  hang. For QSGD and MinMax with the ``"two_phase"`` or ``"all_gather"``
+  method the test costs next to nothing: it reads the scales the step sends,
+  NaN or inf exactly where a bucket holds such a value, and reads the updates
+  again only then.
+
+  Leaves that are not floating point keep their dtype: integer leaves come
+  back as ``jax.lax.pmean(x).astype(x.dtype)`` (the mean rounded toward
+  zero), bool leaves ``True`` where any device's is, ``float0`` leaves (from
+  ``jax.grad(..., allow_int=True)``) as they are.
 
   To accumulate gradients over ``k`` mini-steps, wrap the chain in
   :func:`~qsgd_jax.accumulate_gradients`: each device averages its own
@@ -202,6 +217,8 @@ def compressed_allreduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    if axis_name is not None:
+      axes.check_not_in_apply_if_finite("qsgd_jax.compressed_allreduce", _APPLY_IF_FINITE_AFTER)
     reduction_plan = make_plan(updates)
     _check_residual_shapes(reduction_plan, state, axis_size)
     _warn_if_little_is_compressed(reduction_plan)
@@ -247,9 +264,9 @@ def compressed_allreduce(
               stats.make(wire_bits, float32_bits, elias_bits, outer_bits, outer_float32_bits))
 
     def full_precision(_):
-      # As the reduction does: integer leaves averaged to floats, float0 ones left alone.
-      mean = jax.tree.map(lambda x: x if _is_float0(x) else jax.lax.pmean(x, axis_name),
-                          updates) if not local else updates
+      # As the reduction does: integer leaves in their dtype, float0 ones left alone.
+      mean = (jax.tree.map(lambda x: _full_precision_mean(x, axis_name), updates)
+              if not local else updates)
       return (mean, axes.as_varying(state.local_error, axis_name),
               axes.as_varying(state.chunk_error, axis_name),
               stats.make(float32_bits, float32_bits, state.stats.elias_bits,
@@ -455,6 +472,14 @@ def _zeros(shapes) -> tuple[jax.Array, ...]:
 
 def _where(condition, new: tuple[jax.Array, ...], old: tuple[jax.Array, ...]):
   return tuple(jnp.where(condition, n, o) for n, o in zip(new, old, strict=True))
+
+
+def _full_precision_mean(x, axis_name):
+  if _is_float0(x):
+    return x
+  if not _is_float(x):
+    return reduction.reduce_integer(x, axis_name, mean=True)
+  return jax.lax.pmean(x, axis_name)
 
 
 def _is_float0(x) -> bool:

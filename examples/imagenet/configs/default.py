@@ -33,9 +33,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.steps_per_eval = -1  # When positive, evaluate on that many batches only.
   config.eval_every_steps = -1  # -1: once an epoch, and at the end.
   config.log_every_steps = 100
-  # Orbax checkpoints in workdir/checkpoints every this many steps and at the end; a run
-  # resumes from the latest. 0 or less: no checkpoints, and no resuming.
+  # Orbax checkpoints in workdir/checkpoints every this many steps and at the end, each with a
+  # manifest of checksums; a run resumes from the newest that passes verification, on any device
+  # count. 0 or less: no checkpoints, and no resuming.
   config.checkpoint_every_steps = 1000
+  # Resumed on another device count: start error-feedback residuals at zero instead of
+  # redistributing them (qsgd_jax.resize_state).
+  config.drop_residuals_when_resized = False
+  # A non-finite training loss stops the run, with its step. A positive number: skip up to that
+  # many such steps in a row (optax.apply_if_finite after the gradient averaging).
+  config.skip_nonfinite_steps = 0
 
   # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, powersgd, decentralized8.
   config.compression = "qsgd4"

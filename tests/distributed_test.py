@@ -1,0 +1,190 @@
+"""qsgd_jax.initialize_distributed: a lost process ends the run, fast, with one line.
+
+The watch's rules run first against an in-memory key-value store (threads, no
+JAX processes); then three real processes, one killed.
+"""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import qsgd_jax
+from qsgd_jax._src import distributed
+
+_WORKER = pathlib.Path(__file__).with_name("fault_worker.py")
+_TIMEOUT = 0.4
+
+
+class _Store:
+  """The coordination service's key-value store, in memory; ``reachable`` turns it off."""
+
+  def __init__(self):
+    self.values: dict[str, str] = {}
+    self.reachable = True
+    self.lock = threading.Lock()
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    del allow_overwrite
+    self._check()
+    with self.lock:
+      self.values[key] = value
+
+  def key_value_dir_get(self, directory):
+    self._check()
+    with self.lock:
+      return [(key, value) for key, value in self.values.items() if key.startswith(directory)]
+
+  def _check(self):
+    if not self.reachable:
+      raise RuntimeError("UNAVAILABLE: Socket closed")
+
+
+class _Exits:
+  """Records the exit statuses a watch asks for, instead of exiting."""
+
+  def __init__(self):
+    self.codes: list[int] = []
+    self.done = threading.Event()
+
+  def __call__(self, code):
+    self.codes.append(code)
+    self.done.set()
+
+
+def _watch(store, process_id, num_processes=2):
+  exits = _Exits()
+  watch = qsgd_jax.ProcessWatch(store, process_id, num_processes, _TIMEOUT, exit_fn=exits)
+  return watch, exits
+
+
+def test_a_silent_process_is_lost_after_the_timeout(capfd):
+  store = _Store()
+  watch, exits = _watch(store, 0)
+  start = time.monotonic()
+  with watch:  # Process 1 never beats.
+    assert exits.done.wait(10 * _TIMEOUT)
+    elapsed = time.monotonic() - start
+  assert exits.codes[0] == qsgd_jax.LOST_PROCESS_EXIT_CODE
+  assert _TIMEOUT <= elapsed <= 2 * _TIMEOUT
+  line, = capfd.readouterr().err.strip().splitlines()
+  assert "process 0 of 2: lost process 1: no heartbeat for" in line
+  assert "resume from the last checkpoint" in line
+
+
+def test_beating_and_finished_processes_are_not_lost():
+  store = _Store()
+  first, first_exits = _watch(store, 0)
+  second, second_exits = _watch(store, 1)
+  with first:
+    with second:
+      time.sleep(3 * _TIMEOUT)
+    time.sleep(3 * _TIMEOUT)  # Process 1 is done: no longer watched.
+  assert not first_exits.codes and not second_exits.codes
+  assert store.values[distributed._KEY + "1"] == distributed._DONE
+
+
+def test_a_failed_process_is_named_at_once(capfd):
+  store = _Store()
+  first, first_exits = _watch(store, 0)
+  second, second_exits = _watch(store, 1)
+  with first:
+    with pytest.raises(ValueError), second:
+      raise ValueError("the data ran out")
+    assert second_exits.codes == [1]
+    assert first_exits.done.wait(_TIMEOUT)  # Well before a silence would count.
+  assert first_exits.codes[0] == qsgd_jax.LOST_PROCESS_EXIT_CODE
+  err = capfd.readouterr().err
+  assert "ValueError: the data ran out" in err  # Process 1's traceback.
+  assert "process 1 failed (ValueError: the data ran out)" in err.strip().splitlines()[-1]
+
+
+def test_an_unreachable_coordination_service_is_lost(capfd):
+  store = _Store()
+  watch, exits = _watch(store, 1)
+  with watch:
+    store.values[distributed._KEY + "0"] = "1"
+    store.reachable = False
+    assert exits.done.wait(10 * _TIMEOUT)
+  assert exits.codes[0] == qsgd_jax.LOST_PROCESS_EXIT_CODE
+  assert "lost the coordination service (process 0)" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("failure_timeout", [0, -1.0, float("nan"), "10"])
+def test_failure_timeout_must_be_a_positive_number(failure_timeout):
+  with pytest.raises(ValueError, match="failure_timeout must be a positive number"):
+    qsgd_jax.initialize_distributed("127.0.0.1:1", 2, 0, failure_timeout=failure_timeout)
+
+
+# A real run ---------------------------------------------------------------------------------
+
+_PROCESSES = 3
+_STARTUP_SECONDS = 120
+# The issue's bound: every survivor gone within 15 s of the loss. The watch takes the
+# default failure timeout (10 s) plus up to two heartbeats (1 s each); the rest is margin
+# for this loaded machine.
+_SURVIVOR_SECONDS = 15.0
+
+
+def _free_port() -> int:
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+           if not flag.startswith("--xla_force_host_platform_device_count")]
+  root = str(pathlib.Path(__file__).resolve().parent.parent)
+  return dict(os.environ, XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=1"]),
+              JAX_PLATFORMS="cpu",
+              PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+def test_survivors_of_a_killed_process_exit_within_15_seconds_naming_it(tmp_path):
+  port, ready = _free_port(), tmp_path / "ready"
+  ready.mkdir()
+  processes, logs = [], [tmp_path / f"process{i}.log" for i in range(_PROCESSES)]
+  try:
+    for process_id, log in enumerate(logs):
+      with open(log, "wb") as stream:
+        processes.append(subprocess.Popen(
+            [sys.executable, str(_WORKER), str(process_id), str(_PROCESSES), str(port),
+             str(distributed.DEFAULT_FAILURE_TIMEOUT), str(ready)],
+            stdout=stream, stderr=subprocess.STDOUT, env=_environment(),
+            start_new_session=True))
+    deadline = time.monotonic() + _STARTUP_SECONDS
+    while len(list(ready.iterdir())) < _PROCESSES:
+      failed = [i for i, p in enumerate(processes) if p.poll() is not None]
+      assert not failed and time.monotonic() < deadline, (
+          logs[(failed or [0])[0]].read_text(errors="replace")[-3000:])
+      time.sleep(0.1)
+
+    processes[1].kill()
+    killed = time.monotonic()
+    ended = {}
+    while len(ended) < _PROCESSES and time.monotonic() - killed < 3 * _SURVIVOR_SECONDS:
+      for i, process in enumerate(processes):
+        if i not in ended and process.poll() is not None:
+          ended[i] = time.monotonic() - killed
+      time.sleep(0.05)
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+      process.wait()
+
+  assert processes[1].returncode == -signal.SIGKILL
+  for survivor in (0, 2):
+    log = logs[survivor].read_text(errors="replace")
+    assert processes[survivor].returncode == qsgd_jax.LOST_PROCESS_EXIT_CODE, log[-3000:]
+    assert ended[survivor] < _SURVIVOR_SECONDS, (ended, log[-3000:])
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(f"qsgd_jax: process {survivor} of 3: lost process 1:"), last
+    assert "resume from the last checkpoint" in last
