@@ -358,6 +358,27 @@ def test_two_levels_compress_only_across_the_outer_axis():
   assert float(stats.outer_compression_ratio) > 20
 
 
+def test_wrapping_in_apply_if_finite_is_refused_and_resizing_needs_drop():
+  tx = qsgd_jax.scale_by_onebit_adam(AXIS, freeze_step=2)
+  params = [jnp.zeros((N, 64, 64))]
+  wrapped = optax.apply_if_finite(tx, 3)
+  state = jax.pmap(wrapped.init, AXIS)(params)
+  with pytest.raises(ValueError, match="apply_if_finite"):
+    jax.pmap(wrapped.update, AXIS)(params, state, params)
+
+  def init_on(n):  # The state as jax.pmap over n devices holds it.
+    state = qsgd_jax.onebit_adam(1e-3, AXIS, freeze_step=3, axis_size=n).init([jnp.zeros(4096)])
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), state)
+
+  target = jax.eval_shape(lambda: init_on(4))
+  with pytest.raises(ValueError, match="drop=True"):
+    qsgd_jax.resize_state(init_on(8), target, from_devices=8, to_devices=4, stacked=True)
+  with pytest.warns(UserWarning, match="worker_error"):
+    resized = qsgd_jax.resize_state(init_on(8), target, from_devices=8, to_devices=4,
+                                    stacked=True, drop=True)
+  assert resized[0].worker_error.shape == target[0].worker_error.shape
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: qsgd_jax.onebit_adam(1e-3, AXIS, freeze_step=0), "freeze_step must be a positive"),
     (lambda: qsgd_jax.onebit_adam(1e-3, AXIS, freeze_step=-5), "freeze_step"),

@@ -11,7 +11,10 @@ import numpy as np
 
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
+from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
+from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
+from qsgd_jax._src.zero_one_adam import ZeroOneAdamState
 
 Rule = Callable[[Any, Any], Any]
 
@@ -149,6 +152,13 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
     device counts: they raise too, unless dropped;
   * :class:`~qsgd_jax.AccumulationState`: each device's running mean of its
     gradients by :func:`mean` (the group's mean gradient is kept);
+  * :class:`~qsgd_jax.PowerSGDState`: each device's error memory by
+    :func:`mean` (the mean the error feedback owes is kept);
+  * :class:`~qsgd_jax.ScaleByOneBitAdamState` and
+    :class:`~qsgd_jax.ZeroOneAdamState`: the 1-bit exchange's errors are cut
+    into chunks whose boundaries and padding depend on the device count:
+    they raise unless dropped (DeepSpeed drops them at every load); 0/1
+    Adam's accumulator of local steps by :func:`first_device`;
   * :class:`~qsgd_jax.LowPrecisionDecentralizedState`: every new worker takes
     worker 0's inner state, and both replicas become worker 0's model (worker
     1's copy of it), so the caller must give every worker worker 0's
@@ -392,6 +402,15 @@ def _owner_residuals(saved, target):
   return pieces(batch_dims=1)(saved, target)
 
 
+def _sign_exchange_errors(saved, target):
+  """The 1-bit exchange's errors: not matched across device counts (drop them instead)."""
+  del saved, target
+  raise ValueError(
+      "the 1-bit exchange's worker and server errors are laid out in chunks of every leaf, one "
+      "a device, padded for the device count: resume with drop=True, which starts them at zero "
+      "(DeepSpeed resets them at every checkpoint load, and measured no loss on BERT)")
+
+
 register(CompressedAllReduceState, "local_error", mean, residual=True)
 register(CompressedAllReduceState, "chunk_error", _owner_residuals, residual=True)
 register(AccumulationState, "accumulated", mean)
@@ -399,3 +418,11 @@ register(LowPrecisionDecentralizedState, "inner_state", first_device)
 # Worker 0's model, as its right neighbour (worker 1) and its left one (the last) hold it.
 register(LowPrecisionDecentralizedState, "left_replica", row(1))
 register(LowPrecisionDecentralizedState, "right_replica", row(-1))
+# Each device's residual of (gradient + residual) less the low-rank mean.
+register(PowerSGDState, "error", mean, residual=True)
+for _state_type in (ScaleByOneBitAdamState, ZeroOneAdamState):
+  register(_state_type, "worker_error", _sign_exchange_errors, residual=True)
+  register(_state_type, "server_error", _sign_exchange_errors, residual=True)
+# 0/1 Adam's updates since the devices last synchronized: every device restarts from device 0's,
+# as from its parameters (the model of device 0, which the caller gives every device).
+register(ZeroOneAdamState, "accumulator", first_device)
