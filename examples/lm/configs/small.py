@@ -14,9 +14,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_layers = 2
   config.width = 128
   config.num_heads = 4
-  config.batch_size = 64
+  config.batch_size = 32  # 4 windows a device.
   config.num_train_steps = 300
-  config.learning_rate = 3e-3
+  # Of 3e-3, 6e-3 and 1e-2, 6e-3 gave the lowest held-out loss with fp32 (1.93, 1.89, 2.08).
+  config.learning_rate = 6e-3
   config.warmup_steps = 30
   config.log_every_steps = 10
   config.eval_every_steps = 100
