@@ -100,7 +100,7 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
       return qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, **qsgd_options)
     case "onebit":
       return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
-  raise ValueError(f"config.average must be one of {AVERAGES}, got {config.average!r}.")
+  raise ValueError(_not_one_of(config, "average", AVERAGES))
 
 
 def averaged_adamw(config: ml_collections.ConfigDict,
@@ -421,6 +421,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   params = initialized(jax.random.key(config.seed), model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
+  num_devices = jax.device_count()
+  fp32_bytes = 2 * (num_devices - 1) / num_devices * 4 * num_params  # A float32 all-reduce's.
   state = mapped.init(params)
   with checkpoint_manager(workdir, config) as checkpoints:
     state, first_step = restore_checkpoint(checkpoints, state)
@@ -446,6 +448,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     eval_metrics: dict[str, float] = {}
     progress = tqdm.trange(first_step, num_steps, initial=first_step, total=num_steps,
                            desc=f"{config.optimizer} {config.average}", disable=not is_main)
+    if is_main:
+      progress.write(
+          f"{num_params:,} parameters; the compiled step sends {sum(hlo_bytes.values()):,.0f} "
+          f"bytes a device (a float32 all-reduce of the gradients: {fp32_bytes:,.0f}).")
     for step in progress:
       state, metrics = train_step(state, batch)
       if block_every_step:
@@ -498,7 +504,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   last_window = [r for r in train_records if r["step"] > last_window_start]
   last = last_window[-1]
   held_out = input_pipeline.corpus(config).held_out
-  num_devices = jax.device_count()
   summary = {
       "optimizer": config.optimizer,
       "average": config.average,
@@ -514,7 +519,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       **{f"entropy_given_{order}_bytes": input_pipeline.conditional_entropy(held_out, order)
          for order in range(3)},
       "wire_bytes_per_step": last.get("wire_bytes"),
-      "fp32_allreduce_bytes_per_step": 2 * (num_devices - 1) / num_devices * 4 * num_params,
+      "fp32_allreduce_bytes_per_step": fp32_bytes,
       "compression_ratio": last.get("compression_ratio"),
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
@@ -530,10 +535,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return summary
 
 
+def _not_one_of(config, field: str, allowed: tuple[str, ...]) -> str:
+  return f"config.{field} must be one of {', '.join(allowed)}; got {config[field]!r}."
+
+
 def _check_choice(config, field: str, allowed: tuple[str, ...]) -> None:
   if config[field] not in allowed:
-    raise ValueError(f"config.{field} must be one of {', '.join(allowed)}; "
-                     f"got {config[field]!r}.")
+    raise ValueError(_not_one_of(config, field, allowed))
 
 
 def _check_config(config) -> None:

@@ -4,6 +4,7 @@ One small config throughout; each test's compiled step is reused where the
 config is the same (``train.programs``), so the file compiles three steps.
 """
 
+import doctest
 import json
 import math
 import shutil
@@ -54,6 +55,7 @@ def test_the_text_is_deterministic_and_its_splits_differ():
   assert not any(held_out[i : i + 64] in train_text for i in range(0, len(held_out) - 64, 64))
   other = grammar.Language(config.text_seed + 1).text(f"train {config.text_seed}", 1000)
   assert other.encode()[:1000] != train_text[:1000]
+  assert doctest.testmod(grammar).failed == 0
 
 
 def test_train_batches_are_windows_of_the_text_and_resume_at_a_step():
