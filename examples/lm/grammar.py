@@ -20,9 +20,10 @@ What a model can learn from it, roughly in the order a small transformer does:
 * long-range agreement: a verb agrees in number with its subject across a
   relative clause between them (``ki`` + verb phrase, or centre-embedded
   ``ki`` + subject + verb), nested up to two deep;
-* paragraph-level structure: a paragraph keeps one tense (three verb
-  endings a number), draws most content words from one of 64 topics, and
-  comes back to its two protagonists by name;
+* paragraph-level structure: a paragraph keeps one of three tenses (each
+  with a singular and a plural verb ending; quoted speech is in the present),
+  draws 60% of its content words from one of 64 topics, and comes back to
+  its two protagonists by name;
 * matching delimiters: a question starts with ``Ku`` and ends with ``?``;
   quoted speech opens and closes ``"``; asides open and close parentheses.
 
