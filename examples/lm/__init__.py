@@ -1,0 +1,1 @@
+"""A byte-level transformer language model trained with AdamW and compressed gradient averaging."""

@@ -1,0 +1,48 @@
+"""A 6-layer, 384-wide byte-level transformer on the made-up language, 4-bit QSGD then AdamW."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default hyperparameters."""
+  config = ml_collections.ConfigDict()
+
+  # The text (examples/lm/grammar.py): the language, and the bytes of each split.
+  config.text_seed = 0
+  config.train_bytes = 16 * 2**20
+  config.eval_bytes = 2**20
+  config.context_length = 256
+
+  config.num_layers = 6
+  config.width = 384  # d_model.
+  config.num_heads = 6
+  config.dtype = "float32"  # Of the computation: float32 or bfloat16 (parameters stay float32).
+
+  config.optimizer = "adamw"  # The only one so far; see train.OPTIMIZERS.
+  config.batch_size = 64  # Global, in sequences: split over every device of every process.
+  config.num_train_steps = 5000
+  config.learning_rate = 6e-4  # The peak, after a linear warm-up, then cosine decay.
+  config.warmup_steps = 200
+  config.final_learning_rate_fraction = 0.1  # Of the peak, at the last step.
+  config.b1 = 0.9
+  config.b2 = 0.95
+  config.eps = 1e-8
+  config.weight_decay = 0.1  # Kernels only: not biases, LayerNorm or embeddings.
+  config.grad_clip_norm = 1.0  # Of the averaged gradient's global norm; 0: no clipping.
+
+  # How the gradients are averaged before AdamW: fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit.
+  config.average = "qsgd4"
+  config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
+  config.min_compressed_size = 4096  # Smaller leaves (biases, LayerNorm) go in float32.
+  # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
+  config.track_elias = 0
+  config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
+
+  config.log_every_steps = 50
+  config.eval_every_steps = 500  # And at the end.
+  config.num_eval_batches = -1  # When positive, evaluate on that many batches only.
+  # Orbax checkpoints in workdir/checkpoints every this many steps and at the end; a run
+  # resumes from the latest. 0 or less: no checkpoints, and no resuming.
+  config.checkpoint_every_steps = 1000
+  config.seed = 0  # Initialization, the order of the training windows, rounding.
+  return config

@@ -1,0 +1,135 @@
+"""A GPT-style decoder-only transformer over bytes, in Flax linen.
+
+Token (byte) embeddings plus learned position embeddings, ``num_layers``
+pre-LayerNorm blocks (causal multi-head self-attention, then a 4x-wide GELU
+MLP, each added to the residual stream), a final LayerNorm and an output head
+over the 256 byte values, as GPT-2 (Radford et al. 2019) arranges them.
+Weights start as GPT-2's: normal with standard deviation 0.02, the two
+projections that write into the residual stream scaled by
+``1 / sqrt(2 num_layers)``; biases at zero.
+
+``dtype`` is the computation's dtype (``jnp.bfloat16`` for mixed precision);
+the parameters stay float32 and the logits come back float32.
+
+References:
+  Vaswani et al., Attention Is All You Need, NeurIPS 2017; Radford et al.,
+  Language Models are Unsupervised Multitask Learners, 2019.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+VOCAB_SIZE = 256  # Bytes.
+INIT_STDDEV = 0.02
+
+
+class CausalSelfAttention(nn.Module):
+  """Multi-head self-attention in which each position sees itself and the ones before.
+
+  Attributes:
+    num_heads: heads; the width must be a multiple.
+    residual_init: initializer of the output projection.
+    dtype: the computation's dtype.
+  """
+
+  num_heads: int
+  residual_init: Any
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    """``x``: ``[batch, length, width]``; returns the same shape."""
+    width = x.shape[-1]
+    if width % self.num_heads:
+      raise ValueError(f"width {width} is not a multiple of num_heads {self.num_heads}.")
+    head_width = width // self.num_heads
+    # One kernel for queries, keys and values: [width, 3, heads, head_width].
+    qkv = nn.DenseGeneral((3, self.num_heads, head_width), dtype=self.dtype,
+                          kernel_init=nn.initializers.normal(INIT_STDDEV), name="qkv")(x)
+    query, key, value = (qkv[..., i, :, :] for i in range(3))
+    y = jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
+                           kernel_init=self.residual_init, name="out")(y)
+
+
+class Block(nn.Module):
+  """``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+
+  Attributes:
+    num_heads: attention heads.
+    residual_init: initializer of the projections into the residual stream.
+    mlp_ratio: the MLP's hidden width over the model's width.
+    dtype: the computation's dtype.
+  """
+
+  num_heads: int
+  residual_init: Any
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    width = x.shape[-1]
+    normed = nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x)
+    x = x + CausalSelfAttention(self.num_heads, self.residual_init, self.dtype,
+                                name="attention")(normed)
+    normed = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
+    hidden = nn.Dense(self.mlp_ratio * width, dtype=self.dtype,
+                      kernel_init=nn.initializers.normal(INIT_STDDEV), name="mlp_in")(normed)
+    hidden = nn.gelu(hidden)
+    return x + nn.Dense(width, dtype=self.dtype, kernel_init=self.residual_init,
+                        name="mlp_out")(hidden)
+
+
+class TransformerLM(nn.Module):
+  """A decoder-only transformer language model over bytes.
+
+  Attributes:
+    num_layers: blocks.
+    width: the residual stream's width (``d_model``).
+    num_heads: attention heads a block.
+    context_length: the most positions a sequence may have (position embeddings).
+    mlp_ratio: the MLP's hidden width over ``width``.
+    dtype: the computation's dtype.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> model = TransformerLM(num_layers=1, width=32, num_heads=2, context_length=16)
+    >>> tokens = jnp.zeros((2, 16), jnp.int32)
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> model.apply({"params": params}, tokens).shape
+    (2, 16, 256)
+  """
+
+  num_layers: int
+  width: int
+  num_heads: int
+  context_length: int
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens):
+    """``tokens``: ``int32[batch, length]``, bytes; returns ``float32[batch, length, 256]`` logits.
+
+    The logits at position ``t`` predict byte ``t + 1`` from bytes ``0..t``.
+    """
+    length = tokens.shape[-1]
+    if length > self.context_length:
+      raise ValueError(f"{length} tokens exceed the context_length {self.context_length}.")
+    embed_init = nn.initializers.normal(INIT_STDDEV)
+    x = nn.Embed(VOCAB_SIZE, self.width, embedding_init=embed_init,
+                 name="token_embedding")(tokens)
+    x = x + nn.Embed(self.context_length, self.width, embedding_init=embed_init,
+                     name="position_embedding")(jnp.arange(length))
+    x = x.astype(self.dtype)
+    residual_init = nn.initializers.normal(INIT_STDDEV / (2 * self.num_layers) ** 0.5)
+    for layer in range(self.num_layers):
+      x = Block(self.num_heads, residual_init, self.mlp_ratio, self.dtype,
+                name=f"block_{layer}")(x)
+    x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+    logits = nn.Dense(VOCAB_SIZE, dtype=self.dtype, kernel_init=embed_init, name="head")(x)
+    return logits.astype(jnp.float32)
