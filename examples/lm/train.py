@@ -41,7 +41,7 @@ import qsgd_jax
 from examples.lm import input_pipeline, models
 
 AXIS = "batch"
-AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit")
+AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit", "powersgd")
 PARALLELISMS = ("pmap", "shard_map", "jit")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -100,6 +100,9 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
       return qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, **qsgd_options)
     case "onebit":
       return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
+    case "powersgd":
+      return qsgd_jax.powersgd(AXIS, rank=config.powersgd_rank,
+                               start_iter=config.powersgd_start_iter, seed=config.seed)
   raise ValueError(_not_one_of(config, "average", AVERAGES))
 
 
@@ -120,15 +123,46 @@ def averaged_adamw(config: ml_collections.ConfigDict,
   )
 
 
+def onebit_adam(config: ml_collections.ConfigDict,
+                learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """DeepSpeed's 1-bit Adam (:func:`qsgd_jax.onebit_adam`): AdamW on the float32 mean gradient
+  for ``config.freeze_step`` steps (or until its variance settles, ``"auto"``), then the
+  variance frozen and the momenta averaged 1-bit. It averages for itself (``config.average``
+  does not apply) and does not clip, as DeepSpeed's does not."""
+  return qsgd_jax.onebit_adam(
+      learning_rate_fn, AXIS, freeze_step=_freeze_step(config), b1=config.b1, b2=config.b2,
+      eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
+      min_compressed_size=config.min_compressed_size, axis_size=jax.device_count())
+
+
+def zero_one_adam(config: ml_collections.ConfigDict,
+                  learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """DeepSpeed's 0/1 Adam (:func:`qsgd_jax.zero_one_adam`): 1-bit gradient averages between
+  float32 variance updates at doubling intervals, the variance frozen after
+  ``config.freeze_step``. Its local steps would give each device a model of its own; the
+  example keeps one replicated model, so ``local_step_clipper=1``: every frozen step
+  synchronizes (with DeepSpeed's defaults the first local step comes after 32,678 of them)."""
+  return qsgd_jax.zero_one_adam(
+      learning_rate_fn, AXIS, var_freeze_step=_freeze_step(config), b1=config.b1, b2=config.b2,
+      eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
+      local_step_clipper=1, min_compressed_size=config.min_compressed_size,
+      axis_size=jax.device_count())
+
+
+def _freeze_step(config: ml_collections.ConfigDict) -> int | str:
+  """``config.freeze_step``: ``"auto"``, or a step (a string from ``--config.freeze_step=60``)."""
+  return "auto" if config.freeze_step == "auto" else int(config.freeze_step)
+
+
 # Each optimizer, by name: ``(config, learning_rate_fn) -> optax.GradientTransformation`` whose
 # ``update(grads, state, params)`` takes each device's own gradients over AXIS (it must average
 # them: communicate) and returns updates that are the same on every device. AdamW averages
-# with ``config.average`` first; an optimizer that communicates by itself, such as a compressed
-# Adam, goes here as its own entry, e.g.
-# ``lambda config, lr: qsgd_jax.onebit_adam(lr, AXIS, freeze_step=..., b1=config.b1, ...)``.
+# with ``config.average`` first; the compressed Adams average for themselves.
 OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict, optax.Schedule],
                                optax.GradientTransformation]] = {
     "adamw": averaged_adamw,
+    "onebit_adam": onebit_adam,
+    "zero_one_adam": zero_one_adam,
 }
 
 

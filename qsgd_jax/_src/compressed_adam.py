@@ -166,18 +166,26 @@ def check_tree(owner: str, updates, params, moments) -> None:
           "with (jax.grad of the loss with respect to them).")
 
 
-def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayout,
-                       held_devices: int | None = None) -> None:
+def initial_errors(layout: sign_exchange.SignLayout):
+  """Zero worker and server errors for ``layout``; empty tuples when nothing is compressed."""
+  if not layout.sizes:
+    return (), ()
+  return (jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
+          jnp.zeros(layout.server_error_shape().shape, jnp.float32))
+
+
+def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayout) -> None:
   """Raises ``ValueError`` where the state's error buffers are not the layout's shapes."""
-  expected = layout.worker_error_shape().shape
-  if worker_error.shape == expected:
+  expected = layout.worker_error_shape().shape if layout.sizes else None
+  held = getattr(worker_error, "shape", None)
+  if held == expected:
     return
-  held = worker_error.shape[0] if worker_error.ndim == 2 else held_devices
+  devices = f"{held[0]} devices" if held and len(held) == 2 else "no compressed leaf"
   raise ValueError(
-      f"{owner}: the state's worker_error has shape {worker_error.shape}, this step needs "
-      f"{expected}: the state was made for {held} devices on the compressed axis and this step "
-      f"runs on {layout.num_devices}, or for another parameter tree. Initialize the optimizer "
-      "for this mesh, or carry the error buffers over to the new device count.")
+      f"{owner}: the state's worker_error has shape {held}, this step needs {expected}: the "
+      f"state was made for {devices} on the compressed axis and this step runs on "
+      f"{layout.num_devices}, or for another parameter tree. Initialize the optimizer for this "
+      "mesh, or carry the state over with qsgd_jax.resize_state(..., drop=True).")
 
 
 def zero_update(x) -> jax.Array:
@@ -290,6 +298,8 @@ def exchange(vectors: list[jax.Array], worker_error: jax.Array, server_error: ja
     :class:`~qsgd_jax._src.sign_exchange.Exchanged`, its ``vectors`` the
     averages in the leaves' shapes, the same on every device.
   """
+  if not vectors:
+    return sign_exchange.Exchanged([], worker_error, server_error, jnp.bool_(True))
   n = sizes[0] if sizes else 1
   m = math.prod(sizes[1:])
   flat = [v.reshape(-1).astype(jnp.float32) for v in vectors]

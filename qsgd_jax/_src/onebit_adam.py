@@ -26,23 +26,24 @@ class ScaleByOneBitAdamState(NamedTuple):
       no longer updated for the compressed leaves once the variance is frozen.
     worker_error: ``float32[n, width]``, this device's worker error of the
       1-bit exchange (``n`` devices on the compressed axis; ``width`` one
-      chunk of every compressed leaf, see :mod:`sign_exchange`).
-    server_error: ``float32[width]``, this device's server error.
+      chunk of every compressed leaf, see :mod:`sign_exchange`); ``()`` when
+      no leaf is compressed.
+    server_error: ``float32[width]``, this device's server error (likewise).
     freeze_count: ``int32[]``, the count from which the variance is frozen:
       ``freeze_step``, or with ``"auto"`` the count it chose (``2**31 - 1``
       until then).
     variance_history: ``float32[window]`` with ``"auto"``: the last
-      ``||v||_1`` values the rule reads (``float32[0]`` otherwise).
+      ``||v||_1`` values the rule reads (``()`` otherwise).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
   """
 
   count: jax.Array
   mu: optax.Updates
   nu: optax.Updates
-  worker_error: jax.Array
-  server_error: jax.Array
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
   freeze_count: jax.Array
-  variance_history: jax.Array
+  variance_history: jax.Array | tuple[()]
   stats: stats.CompressionStats
 
 
@@ -156,14 +157,15 @@ def scale_by_onebit_adam(
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
     sizes = common.mapped_sizes(axes, axis_size, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    worker_error, server_error = common.initial_errors(layout)
     return ScaleByOneBitAdamState(
         count=jnp.zeros((), jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
         nu=optax.tree.zeros_like(params),
-        worker_error=jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
-        server_error=jnp.zeros(layout.server_error_shape().shape, jnp.float32),
+        worker_error=worker_error,
+        server_error=server_error,
         freeze_count=common.initial_freeze_count(freeze_step),
-        variance_history=auto.initial() if auto else jnp.zeros((0,), jnp.float32),
+        variance_history=auto.initial() if auto else (),
         stats=stats.empty(),
     )
 

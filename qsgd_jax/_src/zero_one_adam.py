@@ -25,8 +25,8 @@ class ZeroOneAdamState(NamedTuple):
       of this device's updates since the last synchronization (DeepSpeed's
       ``momentum_accumulator``); an empty tuple without local steps.
     worker_error: ``float32[n, width]``, this device's worker error of the
-      1-bit exchange.
-    server_error: ``float32[width]``, this device's server error.
+      1-bit exchange (``()`` when no leaf is compressed).
+    server_error: ``float32[width]``, this device's server error (likewise).
     variance_interval: ``int32[]``, the variance is updated at counts that
       are multiples of it (DeepSpeed's ``var_interval``).
     variance_counter: ``int32[]``, variance updates at this interval.
@@ -40,7 +40,7 @@ class ZeroOneAdamState(NamedTuple):
     freeze_count: ``int32[]``, the count from which the variance is frozen
       (``var_freeze_step + 1``; with ``"auto"``, the count chosen, ``2**31 -
       1`` until then).
-    variance_history: ``float32[window]`` with ``"auto"``, else ``float32[0]``.
+    variance_history: ``float32[window]`` with ``"auto"``, else ``()``.
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
   """
 
@@ -48,8 +48,8 @@ class ZeroOneAdamState(NamedTuple):
   mu: optax.Updates
   nu: optax.Updates
   accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array
-  server_error: jax.Array
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
   variance_interval: jax.Array
   variance_counter: jax.Array
   variance_updates: jax.Array
@@ -57,7 +57,7 @@ class ZeroOneAdamState(NamedTuple):
   local_counter: jax.Array
   learning_rate_sum: jax.Array
   freeze_count: jax.Array
-  variance_history: jax.Array
+  variance_history: jax.Array | tuple[()]
   stats: stats.CompressionStats
 
 
@@ -202,6 +202,7 @@ def zero_one_adam(
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
     sizes = common.mapped_sizes(axes, axis_size, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    worker_error, server_error = common.initial_errors(layout)
     flat = jax.tree.leaves(params)
     one = jnp.ones((), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -211,14 +212,14 @@ def zero_one_adam(
         nu=optax.tree.zeros_like(params),
         accumulator=tuple(jnp.zeros(jnp.shape(flat[i]), jnp.float32)
                           for i in leaves.compressed) if local_steps else (),
-        worker_error=jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
-        server_error=jnp.zeros(layout.server_error_shape().shape, jnp.float32),
+        worker_error=worker_error,
+        server_error=server_error,
         variance_interval=one, variance_counter=zero, variance_updates=zero,
         local_interval=one, local_counter=zero,
         learning_rate_sum=jnp.zeros((), jnp.float32),
         freeze_count=(common.initial_freeze_count(var_freeze_step) + 1
                       if var_freeze_step != "auto" else common.initial_freeze_count("auto")),
-        variance_history=auto.initial() if auto else jnp.zeros((0,), jnp.float32),
+        variance_history=auto.initial() if auto else (),
         stats=stats.empty(),
     )
 
@@ -378,8 +379,8 @@ def zero_one_adam(
       freeze_count = jnp.where(recorded & settled, count, freeze_count)
     # zoadam.py 310-317: the errors start afresh when the variance freezes.
     freezing = jnp.logical_not(frozen) & (count >= freeze_count)
-    worker_error = jnp.where(freezing, 0.0, worker_error)
-    server_error = jnp.where(freezing, 0.0, server_error)
+    worker_error, server_error = jax.tree.map(lambda e: jnp.where(freezing, 0.0, e),
+                                              (worker_error, server_error))
 
     out = [common.zero_update(g) if d is None else d.astype(jnp.result_type(g))
            for g, d in zip(grads, deltas, strict=True)]

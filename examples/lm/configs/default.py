@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_heads = 6
   config.dtype = "float32"  # Of the computation: float32 or bfloat16 (parameters stay float32).
 
-  config.optimizer = "adamw"  # The only one so far; see train.OPTIMIZERS.
+  config.optimizer = "adamw"  # Or onebit_adam, zero_one_adam; see train.OPTIMIZERS.
   config.batch_size = 64  # Global, in sequences: split over every device of every process.
   config.num_train_steps = 5000
   config.learning_rate = 6e-4  # The peak, after a linear warm-up, then cosine decay.
@@ -30,10 +30,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 0.1  # Kernels only: not biases, LayerNorm or embeddings.
   config.grad_clip_norm = 1.0  # Of the averaged gradient's global norm; 0: no clipping.
 
-  # How the gradients are averaged before AdamW: fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit.
+  # onebit_adam and zero_one_adam: float32 steps before the variance is frozen, or "auto"
+  # (frozen once it has settled).
+  config.freeze_step = "auto"
+
+  # How the gradients are averaged before AdamW: fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit,
+  # powersgd.
   config.average = "qsgd4"
   config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
   config.min_compressed_size = 4096  # Smaller leaves (biases, LayerNorm) go in float32.
+  config.powersgd_rank = 4  # powersgd: the rank of each weight matrix's factors.
+  config.powersgd_start_iter = 10  # powersgd: exact float32 steps first.
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
   config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
