@@ -92,8 +92,8 @@ def test_conditional_entropy_counts_what_the_context_determines():
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("optimizer", "onebit_adam", "adamw"),
-    ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit"),
+    ("optimizer", "lamb", "adamw, onebit_adam, zero_one_adam"),
+    ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit, powersgd"),
     ("parallelism", "pjit", "pmap, shard_map, jit"),
 ])
 def test_unknown_choices_are_errors_that_list_the_allowed_ones(field, value, allowed):
