@@ -88,8 +88,6 @@ nb_merge_streams = True
 
 html_theme = "sphinx_book_theme"
 html_title = "qsgd_jax"
-html_static_path = ["_static"]
-html_css_files = ["custom.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
