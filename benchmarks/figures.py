@@ -68,7 +68,7 @@ def headline_rows(results: pathlib.Path = RESULTS) -> tuple[list[str], dict[str,
   network = _load(results / "network_4proc.json")
   if network is not None:
     tree = network["collectives"]["trees"][TREE]
-    bytes_column = "bytes a device sends a step (vs fp32 / bf16)"
+    bytes_column = "bytes a device sends (vs fp32 / bf16)"
     columns.append(bytes_column)
     first_rate = tree["rates"][next(iter(tree["rates"]))]["modes"]
     sent = {row_name(mode): tree["modes"][mode]["hlo_bytes_sent"] for mode in first_rate
@@ -79,7 +79,7 @@ def headline_rows(results: pathlib.Path = RESULTS) -> tuple[list[str], dict[str,
     for rate in HEADLINE_RATES:
       if rate not in tree["rates"]:
         continue
-      column = f"seconds a step at {rate} a node (vs fp32 / bf16)"
+      column = f"seconds at {rate} a node (vs fp32 / bf16)"
       columns.append(column)
       seconds = {row_name(mode): result["seconds"]
                  for mode, result in tree["rates"][rate]["modes"].items()
