@@ -1,5 +1,6 @@
 """Sphinx configuration of qsgd_jax's documentation: ``bash scripts/docs.sh`` builds it."""
 
+import json
 import os
 import pathlib
 import sys
@@ -15,6 +16,18 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+# The guides' kernel: this interpreter (whatever "python3" kernels are installed elsewhere), its
+# own start-up log quiet (ipykernel warns that a local kernel talks over unencrypted TCP). Code
+# that writes to stderr still fails the build (nb_output_stderr below).
+_KERNELS = _ROOT / "docs" / "_build" / "jupyter"
+(_KERNELS / "kernels" / "python3").mkdir(parents=True, exist_ok=True)
+(_KERNELS / "kernels" / "python3" / "kernel.json").write_text(json.dumps({
+    "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+             "--IPKernelApp.log_level=ERROR"],
+    "display_name": "Python 3", "language": "python"}))
+os.environ["JUPYTER_PATH"] = os.pathsep.join(
+    [str(_KERNELS), *filter(None, [os.environ.get("JUPYTER_PATH")])])
 
 import qsgd_jax  # noqa: E402
 
