@@ -510,7 +510,7 @@ of up to 64 KiB) and the acknowledgements, and the coordinator's heartbeats.
 def run_training(launcher: Launcher, args, work: pathlib.Path) -> dict:
   """Trains the example once a mode at the training rate; returns each mode's curve."""
   if launcher.namespace:
-    launcher.namespace.set_rate(RATES[TRAINING_RATE], args.processes)
+    launcher.namespace.set_rate(RATES[args.training_rate], args.processes)
   results = {}
   for mode in args.training_modes:
     workdir = work / "training" / mode
@@ -532,11 +532,12 @@ def run_training(launcher: Launcher, args, work: pathlib.Path) -> dict:
         "launch_seconds": seconds,
         "summary": summary,
         "curve": [{"step": r["step"], "train_seconds": r["train_seconds"],
-                   "wall_seconds": r["wall_seconds"], "eval_accuracy": r["eval_accuracy"]}
+                   "wall_seconds": r["wall_seconds"], "eval_accuracy": r["eval_accuracy"],
+                   "eval_loss": r["eval_loss"]}
                   for r in evals],
     }
   _add_time_to_accuracy(results, args.target_accuracy)
-  return {"rate": TRAINING_RATE if launcher.namespace else "unthrottled",
+  return {"rate": args.training_rate if launcher.namespace else "unthrottled",
           "config": TRAINING_CONFIG, "target_accuracy": args.target_accuracy, "modes": results}
 
 
@@ -631,6 +632,8 @@ def parse_args(argv=None):
   parser.add_argument("--small-tree-repeats", type=int, default=11,
                       help="timed calls a mode on a tree of under a million parameters")
   parser.add_argument("--training-modes", nargs="+", default=list(TRAINING_MODES))
+  parser.add_argument("--training-rate", choices=tuple(RATES), default=TRAINING_RATE,
+                      help="the link rate of Part 2 (benchmarks/figures.py plots each file's)")
   parser.add_argument("--target-accuracy", type=float, default=0.9)
   parser.add_argument("--config-override", nargs="*", default=[],
                       help="more training config settings, e.g. num_epochs=2")
@@ -718,7 +721,7 @@ def main(argv=None) -> None:
           collectives_tables(report["collectives"], args.processes) + COLLECTIVES_NOTES
           + targets_table(report["collectives"], args.processes)))
     if "training" in args.parts:
-      _log(f"Part 2: {args.training_modes} at {TRAINING_RATE} a node")
+      _log(f"Part 2: {args.training_modes} at {args.training_rate} a node")
       report["training"] = run_training(launcher, args, work)
       plot = args.out / f"network_time_to_accuracy_{suffix}.png"
       plot_training(report["training"], plot, args.processes)

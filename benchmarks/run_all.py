@@ -50,6 +50,8 @@ SUITE = (
      ["--seeds", "2", "--steps", "100"]),
     ("Decentralized SGD on digits: Bagua's quantizer against stochastic min-max",
      "decentralized.py", False, [], ["--seeds", "2", "--steps", "100"]),
+    ("Compressed Adam on digits: bytes a step before and after the freeze",
+     "compressed_adam_bytes.py", False, [], ["--steps", "60", "--freeze-step", "20"]),
     ("Error of the mean against bytes, by reduction method", "reduction_methods.py", False,
      [], ["--size", "65536", "--keys", "4"]),
     ("Alpha-beta cost model", "cost_model.py", False,
@@ -115,7 +117,8 @@ def main() -> None:
   plots = sorted(p.name for p in args.out.glob("*.png"))
   sections += ["## Plots", ""] + [f"![{name}]({name})" for name in plots] + [""]
   (args.out / "SUMMARY.md").write_text("\n".join(sections))
-  print(f"wrote {args.out / 'SUMMARY.md'}")
+  print(f"wrote {args.out / 'SUMMARY.md'}; python benchmarks/figures.py remakes the README's"
+        " table and the site's figures from benchmarks/results")
   if failed:
     sys.exit(f"failed: {', '.join(failed)}")
 

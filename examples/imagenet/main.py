@@ -50,6 +50,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
   devices.simulate_cpu_devices()
+  devices.quiet_backend_probe()
   import jax  # After the device flags.
 
   import qsgd_jax

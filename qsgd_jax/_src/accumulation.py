@@ -20,6 +20,13 @@ class AccumulationState(NamedTuple):
       mini-steps (zeros right after ``inner`` runs).
     inner_state: the state of the wrapped transformation, changed only on the
       mini-steps where it runs.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, qsgd_jax
+    >>> tx = qsgd_jax.accumulate_gradients(optax.sgd(0.1), every_k_steps=4)
+    >>> state = tx.init(jnp.zeros(3))
+    >>> int(state.mini_step), [x.shape for x in state.accumulated]
+    (0, [(3,)])
   """
 
   mini_step: jax.Array

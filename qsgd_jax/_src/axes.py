@@ -109,12 +109,13 @@ def as_varying(tree, axis_name: AxisName):
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
-    >>> from jax.sharding import PartitionSpec as P
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((1,), ("batch",))
     >>> def local_grad(w, x):
     ...   return jax.grad(lambda w: jnp.sum(w * x))(qsgd_jax.as_varying(w, "batch"))
+    >>> x = jax.device_put(jnp.arange(2.0), NamedSharding(mesh, P("batch")))
     >>> jax.shard_map(local_grad, mesh=mesh, in_specs=(P(), P("batch")),
-    ...               out_specs=P("batch"))(jnp.ones(2), jnp.arange(2.0))
+    ...               out_specs=P("batch"))(jnp.ones(2), x)
     Array([0., 1.], dtype=float32)
   """
   names = tracked(parse(axis_name, "as_varying").names)

@@ -30,6 +30,12 @@ class Payload:
       turn its codes back into values (empty for the baselines).
     shape: static shape of the encoded array.
     dtype: static dtype of the encoded array; ``decode`` returns it.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> payload = qsgd_jax.QSGD(bits=4, bucket_size=512).encode(jax.random.key(0), jnp.ones(1024))
+    >>> payload.packed.dtype, payload.packed.shape, payload.scales.shape, payload.shape
+    (dtype('uint32'), (128,), (2, 1), (1024,))
   """
 
   packed: jax.Array
@@ -54,6 +60,15 @@ class Compressor(abc.ABC):
   Attributes:
     unbiased: whether ``E[decode(encode(key, x))] = x`` over keys.
     deterministic: whether ``encode`` ignores ``key``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> compressor = qsgd_jax.QSGD(bits=4)
+    >>> isinstance(compressor, qsgd_jax.Compressor), compressor.unbiased
+    (True, True)
+    >>> x = jnp.linspace(-1.0, 1.0, 1024)
+    >>> compressor.decode(compressor.encode(jax.random.key(0), x)).shape
+    (1024,)
   """
 
   unbiased: bool = False
@@ -184,6 +199,13 @@ class SharedScaleCompressor(Compressor):
     scale_reductions: for each scale column, ``"max"`` or ``"min"``: how
       devices merge their local scales into a shared one that every device's
       values fit.
+
+  Examples:
+    >>> import qsgd_jax
+    >>> isinstance(qsgd_jax.QSGD(), qsgd_jax.SharedScaleCompressor)
+    True
+    >>> qsgd_jax.QSGD().scale_reductions
+    ('max',)
   """
 
   scale_reductions: tuple[str, ...] = ()

@@ -26,6 +26,15 @@ class DataParallel(NamedTuple):
       each array of ``init(params)``, its ``sharding`` the concrete
       ``NamedSharding`` that ``init`` and ``step`` give it; computes nothing.
       It is the target an orbax restore takes, e.g. in a fresh process.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+    >>> tx = optax.chain(qsgd_jax.qsgd("batch"), optax.sgd(0.1))
+    >>> init, step, abstract_state = qsgd_jax.data_parallel(
+    ...     lambda params, batch: jnp.mean((batch @ params) ** 2), tx, mesh)
+    >>> abstract_state(jnp.zeros((4096, 2)))[0].count.shape
+    ()
   """
 
   init: Callable[..., Any]

@@ -30,6 +30,14 @@ class LowPrecisionDecentralizedState(NamedTuple):
     stats: the last step's :class:`~qsgd_jax.CompressionStats`: the bits a
       worker sent, against a float32 all-reduce of the parameters over all
       workers (NaN before the first step).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.low_precision_decentralized(optax.sgd(0.1), "batch")
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 4)))
+    >>> state.left_replica.shape == state.right_replica.shape == (n, 4)
+    True
   """
 
   inner_state: optax.OptState

@@ -148,6 +148,22 @@ class ProcessWatch:
     failure_timeout: seconds of silence after which a process is lost.
     exit_fn: ends the process with a status (``os._exit``; a test passes one
       that records it).
+
+  Examples:
+    ``initialize_distributed`` makes and enters one; a test can drive it with a
+    client of its own:
+
+    >>> import qsgd_jax
+    >>> class Client:  # The coordination service's key-value store, in memory.
+    ...   def __init__(self):
+    ...     self.store = {}
+    ...   def key_value_set(self, key, value, allow_overwrite=False):
+    ...     self.store[key] = value
+    ...   def key_value_dir_get(self, directory):
+    ...     return [(k, v) for k, v in self.store.items() if k.startswith(directory)]
+    >>> with qsgd_jax.ProcessWatch(Client(), 0, 1, failure_timeout=10.0) as watch:
+    ...   watch.num_processes
+    1
   """
 
   def __init__(self, client, process_id: int, num_processes: int, failure_timeout: float,

@@ -89,6 +89,13 @@ class FlatShard:
     shard: ``[N * ceil(size / N)]`` as a global array sharded over the axis;
       ``[ceil(size / N)]`` on each device inside ``jax.shard_map``.
     shape: the parameter's shape.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+    >>> w = qsgd_jax.fsdp_shard({"w": jnp.ones((3, 5001))}, mesh, "batch")["w"]
+    >>> w.shape, w.shard.size % jax.device_count(), w.shard.size >= 3 * 5001
+    ((3, 5001), 0, True)
   """
 
   shard: jax.Array

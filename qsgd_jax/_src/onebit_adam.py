@@ -26,7 +26,7 @@ class ScaleByOneBitAdamState(NamedTuple):
       no longer updated for the compressed leaves once the variance is frozen.
     worker_error: ``float32[n, width]``, this device's worker error of the
       1-bit exchange (``n`` devices on the compressed axis; ``width`` one
-      chunk of every compressed leaf, see :mod:`sign_exchange`); ``()`` when
+      chunk of every compressed leaf, see ``qsgd_jax/_src/sign_exchange.py``); ``()`` when
       no leaf is compressed.
     server_error: ``float32[width]``, this device's server error (likewise).
     freeze_count: ``int32[]``, the count from which the variance is frozen:
@@ -35,6 +35,14 @@ class ScaleByOneBitAdamState(NamedTuple):
     variance_history: ``float32[window]`` with ``"auto"``: the last
       ``||v||_1`` values the rule reads (``()`` otherwise).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.scale_by_onebit_adam("batch", freeze_step=100)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> int(state.count[0]), int(state.freeze_count[0])
+    (0, 100)
   """
 
   count: jax.Array
@@ -140,6 +148,16 @@ def scale_by_onebit_adam(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = optax.chain(qsgd_jax.scale_by_onebit_adam("batch", freeze_step=100),
+    ...                  optax.scale_by_learning_rate(1e-3))
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(jnp.ones((n, 8192)), state)
+    >>> bool(jnp.allclose(updates, -1e-3))
+    True
 
   References:
     Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training
@@ -307,9 +325,10 @@ def onebit_adam(
       see :func:`scale_by_onebit_adam`).
     freeze_step: float32 warm-up updates before the variance is frozen, or
       ``"auto"`` to freeze it once it has stopped moving.
-    b1, b2, eps, bias_correction, mu_dtype, min_compressed_size,
-      compression_mask, axis_size, auto_freeze_window, auto_freeze_tolerance:
-      see :func:`scale_by_onebit_adam`.
+    b1, b2, eps, bias_correction, mu_dtype: see :func:`scale_by_onebit_adam`.
+    min_compressed_size, compression_mask, axis_size: see
+      :func:`scale_by_onebit_adam`.
+    auto_freeze_window, auto_freeze_tolerance: see :func:`scale_by_onebit_adam`.
     weight_decay: decoupled weight decay, as in ``optax.adamw``.
     mask: which leaves are decayed, as in ``optax.adamw``.
 

@@ -32,6 +32,14 @@ class PowerSGDState(NamedTuple):
       the last compressed step's orthonormal P, so that ``p_memory @
       q_memory.T`` is what the step returned (zeros before).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.powersgd("batch", rank=2)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 256, 128)))
+    >>> [q.shape[1:] for q in state.q_memory]  # Kernels of one shape, their Q: (in, rank).
+    [(1, 128, 2)]
   """
 
   key: jax.Array

@@ -24,6 +24,14 @@ class EliasSize(NamedTuple):
     sparse: ``int32[]``, every bucket in the sparse variant.
     dense: ``int32[]``, every bucket in the dense variant.
     smaller: ``int32[]``, each bucket in whichever variant is shorter for it.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> q = qsgd_jax.QSGD(bits=4, bucket_size=512)
+    >>> x = jax.random.normal(jax.random.key(0), (4096,))
+    >>> size = q.elias_bits(q.encode(jax.random.key(1), x))
+    >>> bool(size.smaller == jnp.minimum(size.sparse, size.dense))
+    True
   """
 
   sparse: jax.Array

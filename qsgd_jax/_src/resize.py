@@ -66,7 +66,15 @@ def register(state_type: type, field: str, rule: Rule, *, residual: bool = False
 
 
 def mean(saved, target):
-  """Every new device gets the mean over the saved devices (float leaves; others: device 0's)."""
+  """Every new device gets the mean over the saved devices (float leaves; others: device 0's).
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from qsgd_jax import resize
+    >>> saved = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)  # 2 devices' residuals.
+    >>> resize.mean(saved, jax.ShapeDtypeStruct((4, 2), np.float32)).tolist()
+    [[2.0, 3.0], [2.0, 3.0], [2.0, 3.0], [2.0, 3.0]]
+  """
 
   def leaf(saved_leaf, target_leaf):
     _check_per_device(saved_leaf, target_leaf)
@@ -79,7 +87,15 @@ def mean(saved, target):
 
 
 def first_device(saved, target):
-  """Every new device gets device 0's values."""
+  """Every new device gets device 0's values.
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from qsgd_jax import resize
+    >>> saved = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    >>> resize.first_device(saved, jax.ShapeDtypeStruct((3, 2), np.float32)).tolist()
+    [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]
+  """
 
   def leaf(saved_leaf, target_leaf):
     _check_per_device(saved_leaf, target_leaf)
@@ -89,7 +105,15 @@ def first_device(saved, target):
 
 
 def row(index: int) -> Rule:
-  """Every new device gets saved device ``index``'s values (``-1``: the last device's)."""
+  """Every new device gets saved device ``index``'s values (``-1``: the last device's).
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from qsgd_jax import resize
+    >>> saved = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    >>> resize.row(-1)(saved, jax.ShapeDtypeStruct((3, 2), np.float32)).tolist()
+    [[3.0, 4.0], [3.0, 4.0], [3.0, 4.0]]
+  """
 
   def rule(saved, target):
     def leaf(saved_leaf, target_leaf):
@@ -115,6 +139,13 @@ def pieces(batch_dims: int = 0) -> Rule:
     ``m`` times the new piece's size, and cut into ``m`` pieces. Whatever a
     shorter layout cuts off is past the end of every piece of the target,
     padding that no parameter reads.
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> from qsgd_jax import resize
+    >>> saved = np.arange(8, dtype=np.float32).reshape(4, 2)  # 4 devices, a piece of 2 each.
+    >>> resize.pieces()(saved, jax.ShapeDtypeStruct((2, 4), np.float32)).tolist()
+    [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
   """
 
   def leaf(saved_leaf, target_leaf):
@@ -144,21 +175,21 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
   what they stand for is kept (module :mod:`qsgd_jax.resize` says how):
 
   * :class:`~qsgd_jax.CompressedAllReduceState`: worker residuals
-    (``local_error``) by :func:`mean`, owner residuals (``chunk_error``) by
-    :func:`pieces` of each block. Owner residuals of blocks that stack several
+    (``local_error``) by :func:`~qsgd_jax.resize.mean`, owner residuals (``chunk_error``) by
+    :func:`~qsgd_jax.resize.pieces` of each block. Owner residuals of blocks that stack several
     whole-leaf segments (a compressor with one scale a leaf) cannot be
     matched across device counts: they raise, unless dropped. Worker
     residuals over several axes hold a slice whose length depends on the
     device counts: they raise too, unless dropped;
   * :class:`~qsgd_jax.AccumulationState`: each device's running mean of its
-    gradients by :func:`mean` (the group's mean gradient is kept);
+    gradients by :func:`~qsgd_jax.resize.mean` (the group's mean gradient is kept);
   * :class:`~qsgd_jax.PowerSGDState`: each device's error memory by
-    :func:`mean` (the mean the error feedback owes is kept);
+    :func:`~qsgd_jax.resize.mean` (the mean the error feedback owes is kept);
   * :class:`~qsgd_jax.ScaleByOneBitAdamState` and
     :class:`~qsgd_jax.ZeroOneAdamState`: the 1-bit exchange's errors are cut
     into chunks whose boundaries and padding depend on the device count:
     they raise unless dropped (DeepSpeed drops them at every load); 0/1
-    Adam's accumulator of local steps by :func:`first_device`;
+    Adam's accumulator of local steps by :func:`~qsgd_jax.resize.first_device`;
   * :class:`~qsgd_jax.LowPrecisionDecentralizedState`: every new worker takes
     worker 0's inner state, and both replicas become worker 0's model (worker
     1's copy of it), so the caller must give every worker worker 0's

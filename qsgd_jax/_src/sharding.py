@@ -69,6 +69,13 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
 
   Returns:
     A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> tx = qsgd_jax.qsgd("batch", error_feedback=True)
+    >>> specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, jnp.zeros(8192)), "batch")
+    >>> specs.local_error, specs.count
+    ((P('batch',),), P())
   """
   replicated, along_axis = PartitionSpec(), PartitionSpec(axis_name)
   # 0/1 Adam's local steps run on each node's average over the inner axes: its per-device

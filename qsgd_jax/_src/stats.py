@@ -25,9 +25,9 @@ class CompressionStats(NamedTuple):
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
     elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
       every payload the step sent were Elias-coded (the smaller of the sparse
-      and dense variants per bucket), float32 traffic unchanged: see
-      :func:`elias_wire_bits`. Averaged over the axis (one scalar ``pmean``,
-      counted in ``wire_bits`` on the steps that measure it). Measured only
+      and dense variants per bucket), float32 traffic unchanged. Averaged
+      over the axis (one scalar ``pmean``, counted in ``wire_bits`` on the
+      steps that measure it). Measured only
       when asked for (``track_elias``), every step or every ``k`` steps and
       held in between; NaN until first measured, when not asked for, and for
       other compressors or the ``"psum"`` method.
@@ -42,6 +42,16 @@ class CompressionStats(NamedTuple):
       ``outer_wire_bits``: the slow link's own saving, the figure that
       matters with two levels (``compression_ratio`` there also counts the
       float32 traffic of the fast inner links).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.qsgd("batch", bits=4)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> _, state = jax.pmap(tx.update, axis_name="batch")(jnp.ones((n, 8192)), state)
+    >>> stats = qsgd_jax.compression_stats(state)
+    >>> bool(stats.wire_bits[0] < stats.float32_bits[0] / 6)
+    True
   """
 
   wire_bits: jax.Array
@@ -66,6 +76,16 @@ def compression_stats(opt_state) -> CompressionStats | None:
   Returns:
     The first stats found (depth first), their fields arrays (variables
     unwrapped), or ``None`` if there are none.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, qsgd_jax
+    >>> params = jnp.zeros(8192)
+    >>> stats = qsgd_jax.compression_stats(
+    ...     optax.chain(qsgd_jax.qsgd("batch"), optax.adam(1e-3)).init(params))
+    >>> type(stats).__name__
+    'CompressionStats'
+    >>> qsgd_jax.compression_stats(optax.adam(1e-3).init(params)) is None
+    True
   """
   found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_stats) if is_stats(node)]
   if not found:

@@ -38,6 +38,14 @@ class CompressedAllReduceState(NamedTuple):
       residual of re-quantizing the sums of the pieces the device owns (empty
       tuple without owner error feedback).
     stats: the last step's :class:`CompressionStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.qsgd("batch", error_feedback=True)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> int(state.count[0]), [e.shape for e in state.local_error] == [(n, 8192)]
+    (0, True)
   """
 
   key: jax.Array
@@ -317,8 +325,8 @@ def qsgd(
     bucket_size: coordinates sharing one scale; ``None`` for one per piece.
     norm: ``"max"`` or ``"l2"``.
     key: PRNG key or integer seed.
-    error_feedback, warmup_steps, method, axis_size, track_elias,
-      exact_own_piece: as in :func:`compressed_allreduce`.
+    error_feedback, warmup_steps, method: as in :func:`compressed_allreduce`.
+    axis_size, track_elias, exact_own_piece: as in :func:`compressed_allreduce`.
     min_compressed_size: leaves with fewer elements (4096 by default: biases
       and norm scales) go in float32.
 
@@ -390,8 +398,8 @@ def onebit_sgd(
       for one bucket a row of each leaf's last axis, as CNTK.
     error_feedback: as in :func:`compressed_allreduce`; ``"worker"`` by
       default.
-    warmup_steps, method, min_compressed_size, axis_size, track_elias,
-      exact_own_piece: as in :func:`compressed_allreduce`.
+    warmup_steps, method, min_compressed_size: as in :func:`compressed_allreduce`.
+    axis_size, track_elias, exact_own_piece: as in :func:`compressed_allreduce`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

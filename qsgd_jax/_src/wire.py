@@ -41,6 +41,14 @@ class Collective(NamedTuple):
     result_bytes: bytes of that result on one device.
     group_size: devices taking part in one group.
     bytes_sent: bytes one device sends for it (see the module docstring).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> program = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
+    >>> hlo = program.lower(jnp.zeros((n, 1024))).compile().as_text()
+    >>> [(c.kind, c.result_type, c.result_bytes) for c in qsgd_jax.collectives_in_hlo(hlo)]
+    [('all-reduce', 'f32[1024]{0}', 4096)]
   """
 
   kind: str
@@ -78,6 +86,15 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
   Returns:
     One :class:`Collective` an instruction (asynchronous ``-start``/``-done``
     pairs count once).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> program = jax.pmap(lambda x: jax.lax.all_gather(x, "i"), axis_name="i")
+    >>> hlo = program.lower(jnp.zeros((n, 256))).compile().as_text()
+    >>> [collective] = qsgd_jax.collectives_in_hlo(hlo)
+    >>> collective.kind, collective.bytes_sent == (n - 1) * 256 * 4
+    ('all-gather', True)
   """
   header = hlo_text[: hlo_text.find("\n")]
   devices = max(

@@ -42,6 +42,14 @@ class ZeroOneAdamState(NamedTuple):
       1`` until then).
     variance_history: ``float32[window]`` with ``"auto"``, else ``()``.
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.zero_one_adam(1e-3, "batch", var_freeze_step=100)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> int(state.variance_interval[0]), int(state.local_interval[0])
+    (1, 1)
   """
 
   count: jax.Array
@@ -155,8 +163,9 @@ def zero_one_adam(
     local_step_scaler: frozen steps at a local interval before it doubles
       (DeepSpeed's default 32678).
     local_step_clipper: the largest local interval (DeepSpeed's default 16).
-    min_compressed_size, compression_mask, axis_size, auto_freeze_window,
-      auto_freeze_tolerance: as in :func:`scale_by_onebit_adam`.
+    min_compressed_size, compression_mask, axis_size: as in
+      :func:`scale_by_onebit_adam`.
+    auto_freeze_window, auto_freeze_tolerance: as in :func:`scale_by_onebit_adam`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.

@@ -1,0 +1,310 @@
+"""The README's headline table and the site's figures, from the results files the benchmarks write.
+
+  python benchmarks/figures.py            # all of it; then bash scripts/docs.sh shows it
+  python benchmarks/figures.py --check    # exit 1 if README.md's table is not what the files say
+
+Nothing here is typed in by hand: every number comes from one of these files
+under ``benchmarks/results/`` (each optional; what a missing file would give is
+left out):
+
+* ``network_4proc.json`` (``python benchmarks/network.py``): the headline's bytes
+  and seconds, ``collectives.trees.resnet50.rates[RATE].modes[MODE]``'s
+  ``hlo_bytes_sent`` and ``seconds``, at 100 Mbit/s and 1 Gbit/s a node. A mode
+  ``NAME/two_phase`` or ``NAME/ring`` is the row ``NAME``, ``fp32_pmean`` is
+  ``fp32``; other methods (``/psum``, ``/all_gather``, ``/fused``,
+  ``/wire_only``) are left to the full tables. Every ``network_*.json`` below
+  ``benchmarks/results`` with a ``training`` part gives a panel of the
+  time-to-accuracy figure: ``training.rate`` and ``training.modes[MODE].curve``
+  (``train_seconds``, ``eval_accuracy``, and ``eval_loss`` where recorded).
+* ``digits_comparison.json`` (``python -m examples.imagenet.compare --seeds=0,1,2
+  --workdir=runs/digits_seeds --results=benchmarks/results/digits_comparison``):
+  the headline's accuracy, ``modes[MODE].eval_accuracy`` (``mean``, ``min``,
+  ``max`` over ``runs`` seeds), and the accuracy-against-bits figure with
+  ``modes[MODE].runs[0].compression_ratio``.
+* ``lm_comparison.json`` (``examples/lm/compare.py``'s ``comparison.json``,
+  copied): a headline column, ``runs[i].eval_loss_minus_fp32`` of the run whose
+  ``mode`` is the row's.
+* ``compressed_adam_bytes.json`` (``python benchmarks/compressed_adam_bytes.py``):
+  bytes a step before and after the compressed Adams' freeze,
+  ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
+
+Writes ``benchmarks/results/headline.md``, the table between the markers in
+``README.md``, and ``benchmarks/results/figures/*.png``.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+_HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = _HERE / "results"
+README = _HERE.parent / "README.md"
+BEGIN = "<!-- The headline table: made by python benchmarks/figures.py from benchmarks/results. -->"
+END = "<!-- End of the headline table. -->"
+HEADLINE_RATES = ("100 Mbit/s", "1 Gbit/s")
+TREE = "resnet50"
+BASELINES = ("fp32", "bf16")
+LEFT_TO_FULL_TABLES = {"psum", "all_gather", "fused", "wire_only"}
+
+
+def _load(path: pathlib.Path) -> dict | None:
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def row_name(network_mode: str) -> str | None:
+  """The headline row of a network benchmark mode, or ``None`` for another method's."""
+  name, *method = network_mode.split("/")
+  if set(method) & LEFT_TO_FULL_TABLES:
+    return None
+  return "fp32" if name == "fp32_pmean" else name
+
+
+def headline_rows(results: pathlib.Path = RESULTS) -> tuple[list[str], dict[str, dict]]:
+  """``(columns, {row: {column: text}})`` of the headline table."""
+  rows: dict[str, dict] = {}
+  columns = []
+  network = _load(results / "network_4proc.json")
+  if network is not None:
+    tree = network["collectives"]["trees"][TREE]
+    bytes_column = "bytes a device sends (vs fp32 / bf16)"
+    columns.append(bytes_column)
+    first_rate = tree["rates"][next(iter(tree["rates"]))]["modes"]
+    sent = {row_name(mode): tree["modes"][mode]["hlo_bytes_sent"] for mode in first_rate
+            if row_name(mode) is not None and "hlo_bytes_sent" in tree["modes"].get(mode, {})}
+    for name, value in sent.items():
+      rows.setdefault(name, {})[bytes_column] = (
+          f"{value / 1e6:,.1f} MB ({_ratio(sent, 'fp32', value)} / {_ratio(sent, 'bf16', value)})")
+    for rate in HEADLINE_RATES:
+      if rate not in tree["rates"]:
+        continue
+      column = f"seconds at {rate} a node (vs fp32 / bf16)"
+      columns.append(column)
+      seconds = {row_name(mode): result["seconds"]
+                 for mode, result in tree["rates"][rate]["modes"].items()
+                 if row_name(mode) is not None}
+      for name, value in seconds.items():
+        rows.setdefault(name, {})[column] = (
+            f"{value:.2f} ({_ratio(seconds, 'fp32', value)} / {_ratio(seconds, 'bf16', value)})")
+  digits = _load(results / "digits_comparison.json")
+  if digits is not None:
+    runs = {mode: result["eval_accuracy"]["runs"] for mode, result in digits["modes"].items()}
+    column = f"digits accuracy, {min(runs.values())} seeds (range)"
+    columns.append(column)
+    for mode, result in digits["modes"].items():
+      spread = result["eval_accuracy"]
+      rows.setdefault(mode, {})[column] = (
+          f"{spread['mean']:.1%} ({spread['min']:.1%}-{spread['max']:.1%})")
+  lm = _load(results / "lm_comparison.json")
+  if lm is not None:
+    column = "LM held-out loss, vs fp32"
+    columns.append(column)
+    for run in lm["runs"]:
+      rows.setdefault(run["mode"], {})[column] = (
+          f"{run['eval_loss']:.3f} ({run.get('eval_loss_minus_fp32', math.nan):+.3f})")
+  return columns, rows
+
+
+def _ratio(values: dict, baseline: str, value: float) -> str:
+  return f"{values[baseline] / value:.1f}x" if baseline in values and value else "-"
+
+
+def _order(rows: dict[str, dict], columns: list[str]) -> list[str]:
+  """The baselines first, then by bytes sent, most first (unmeasured last)."""
+
+  def megabytes(name):
+    cell = rows[name].get(columns[0], "") if columns else ""
+    return -float(cell.split(" ")[0].replace(",", "")) if cell.endswith(")") else math.inf
+
+  others = sorted((name for name in rows if name not in BASELINES), key=megabytes)
+  return [name for name in BASELINES if name in rows] + others
+
+
+def headline_table(results: pathlib.Path = RESULTS) -> str:
+  """The markdown table of the README, with the lines that say what its columns are."""
+  columns, rows = headline_rows(results)
+  lines = ["| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+  for name in _order(rows, columns):
+    lines.append(f"| {name} | " + " | ".join(rows[name].get(c, "-") for c in columns) + " |")
+  notes = []
+  if any(c.startswith("bytes") for c in columns):
+    notes.append(
+        "Bytes and seconds: averaging ResNet-50's gradient (25.6M parameters) in"
+        " `benchmarks/network.py`: 4 processes of one CPU device, joined by `jax.distributed`"
+        " over TCP, each node's link limited by `tc`; bytes read from the compiled program,"
+        " seconds the median of 3 calls; fp32 is `jax.lax.pmean`, decentralized8 one exchange"
+        " with two ring neighbours (not an average).")
+  if any(c.startswith("digits") for c in columns):
+    notes.append(
+        "Accuracy: the digits example (`examples/imagenet`, ResNet-8, 8 simulated devices),"
+        " mean over seeds and, in brackets, the range; one held-out digit is 0.28%.")
+  if any(c.startswith("LM") for c in columns):
+    notes.append("LM: `examples/lm`, held-out loss in nats a byte, and its difference from"
+                 " float32's.")
+  return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
+
+
+def readme_with(table: str, readme: str) -> str:
+  start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+  return readme[:start] + "\n" + table + readme[end:]
+
+
+# Figures ---------------------------------------------------------------------
+
+
+def _pyplot():
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  return plt
+
+
+def plot_time_to_accuracy(results: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:
+  """Eval accuracy (and loss, where recorded) against training seconds, a panel a link rate."""
+  trainings = []
+  for path in sorted(results.rglob("network_*.json")):
+    report = json.loads(path.read_text())
+    if "training" in report:
+      trainings.append((report["processes"], report["training"]))
+  if not trainings:
+    return None
+  plt = _pyplot()
+  has_loss = any("eval_loss" in point for _, training in trainings
+                 for mode in training["modes"].values() for point in mode["curve"])
+  figure, axes = plt.subplots(2 if has_loss else 1, len(trainings), squeeze=False,
+                              figsize=(5.5 * len(trainings), 4.2 * (2 if has_loss else 1)))
+  for column, (processes, training) in enumerate(trainings):
+    for mode, result in training["modes"].items():
+      curve = result["curve"]
+      seconds = [point["train_seconds"] for point in curve]
+      axes[0][column].plot(seconds, [point["eval_accuracy"] for point in curve], marker="o",
+                           label=mode)
+      if has_loss:
+        axes[1][column].plot(seconds, [point.get("eval_loss", math.nan) for point in curve],
+                             marker="o", label=mode)
+    axes[0][column].axhline(training["target_accuracy"], color="gray", linestyle=":")
+    axes[0][column].set(title=f"{pathlib.Path(training['config']).stem}, {processes} processes,"
+                              f" {training['rate']} a node",
+                        xlabel="training seconds", ylabel="held-out accuracy")
+    if has_loss:
+      axes[1][column].set(xlabel="training seconds", ylabel="held-out loss", yscale="log")
+  for axis in axes.flat:
+    axis.grid(alpha=0.3)
+    axis.legend()
+  figure.tight_layout()
+  return _save(figure, out / "network_time_to_accuracy.png")
+
+
+def plot_seconds_against_rate(results: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:
+  """Seconds to average ResNet-50's gradient against the link rate, a line a mode."""
+  network = _load(results / "network_4proc.json")
+  if network is None:
+    return None
+  plt = _pyplot()
+  tree = network["collectives"]["trees"][TREE]
+  rates = list(tree["rates"])
+  figure, axis = plt.subplots(figsize=(7, 4.5))
+  modes = [mode for mode in tree["rates"][rates[0]]["modes"] if row_name(mode) is not None]
+  for mode in modes:
+    seconds = [tree["rates"][rate]["modes"].get(mode, {}).get("seconds", math.nan)
+               for rate in rates]
+    axis.plot(range(len(rates)), seconds, marker="o", label=row_name(mode))
+  axis.set(xticks=range(len(rates)), xticklabels=rates, yscale="log",
+           xlabel="link rate a node", ylabel="seconds to average the gradient",
+           title=f"ResNet-50's gradient, {network['processes']} processes over TCP")
+  axis.grid(alpha=0.3, which="both")
+  axis.legend(fontsize="small", ncol=2)
+  figure.tight_layout()
+  return _save(figure, out / "network_seconds_against_rate.png")
+
+
+def plot_accuracy_against_bits(results: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:
+  """The digits example's accuracy over seeds against the bits a coordinate it sent."""
+  digits = _load(results / "digits_comparison.json")
+  if digits is None:
+    return None
+  plt = _pyplot()
+  figure, axis = plt.subplots(figsize=(7, 4.5))
+  for mode, result in digits["modes"].items():
+    spread = result["eval_accuracy"]
+    bits = 32 / result["runs"][0]["compression_ratio"]
+    axis.errorbar([bits], [100 * spread["mean"]], fmt="o", capsize=4,
+                  yerr=[[100 * (spread["mean"] - spread["min"])],
+                        [100 * (spread["max"] - spread["mean"])]])
+    axis.annotate(mode, (bits, 100 * spread["mean"]), textcoords="offset points", xytext=(6, 4))
+  seeds = min(result["eval_accuracy"]["runs"] for result in digits["modes"].values())
+  axis.set(xscale="log", xlabel="bits a coordinate sent (32 / compression ratio)",
+           ylabel="held-out accuracy, %",
+           title=f"ResNet-8 on digits, {digits['devices']} devices: mean and range of {seeds}"
+                 " seeds")
+  axis.grid(alpha=0.3, which="both")
+  figure.tight_layout()
+  return _save(figure, out / "accuracy_against_bits.png")
+
+
+def plot_compressed_adam_bytes(results: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:
+  """Bytes a step and training loss against steps, the freeze marked."""
+  report = _load(results / "compressed_adam_bytes.json")
+  if report is None:
+    return None
+  plt = _pyplot()
+  figure, (bytes_axis, loss_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for index, (mode, result) in enumerate(report["modes"].items()):
+    steps = [record["step"] for record in result["steps"]]
+    # Points, not lines (0/1 Adam alternates), each mode's smaller than the last's: where
+    # two modes send the same, both show.
+    bytes_axis.plot(steps, [record["wire_bytes"] for record in result["steps"]], label=mode,
+                    marker="o", markersize=max(2, 8 - 2 * index), linestyle="none")
+    loss_axis.plot(steps, [record["loss"] for record in result["steps"]], label=mode)
+  for axis in (bytes_axis, loss_axis):
+    axis.axvline(report["freeze_step"], color="gray", linestyle=":", label="freeze step")
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(loc="center right" if axis is bytes_axis else "upper right")
+  bytes_axis.set(xlabel="step", ylabel="bytes a device sends", yscale="log",
+                 title=f"MLP {'-'.join(map(str, report['widths']))} on digits,"
+                       f" {report['devices']} devices")
+  loss_axis.set(xlabel="step", ylabel="training loss", yscale="log")
+  figure.tight_layout()
+  return _save(figure, out / "compressed_adam_bytes.png")
+
+
+def _save(figure, path: pathlib.Path) -> pathlib.Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path, dpi=110)
+  return path
+
+
+PLOTS = (plot_time_to_accuracy, plot_seconds_against_rate, plot_accuracy_against_bits,
+         plot_compressed_adam_bytes)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--readme", type=pathlib.Path, default=README)
+  parser.add_argument("--check", action="store_true",
+                      help="only compare README.md's table with the results files")
+  args = parser.parse_args(argv)
+  table = headline_table(args.results)
+  readme = args.readme.read_text()
+  if args.check:
+    if readme_with(table, readme) != readme:
+      print(f"{args.readme}'s headline table is not what {args.results} says: run"
+            " python benchmarks/figures.py", file=sys.stderr)
+      return 1
+    return 0
+  (args.results / "headline.md").write_text(table)
+  args.readme.write_text(readme_with(table, readme))
+  print(table)
+  for plot in PLOTS:
+    path = plot(args.results, args.results / "figures")
+    if path is not None:
+      print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,54 @@
+"""What the documentation promises that needs no build: every public name in the API reference
+with an example, and the README's headline table what the results files say.
+
+``bash scripts/docs.sh`` runs the examples and the guides, and checks every cross-reference.
+"""
+
+import importlib.util
+import inspect
+import pathlib
+import re
+import types
+
+import qsgd_jax
+
+_ROOT = pathlib.Path(__file__).parent.parent
+_DIRECTIVE = re.compile(
+    r"^\.\. (?:autofunction|autoclass|automodule|py:data)::\s+(?:qsgd_jax\.)?(\S+)", re.MULTILINE)
+
+
+def _documented() -> set[str]:
+  return {name for page in (_ROOT / "docs" / "api").glob("*.rst")
+          for name in _DIRECTIVE.findall(page.read_text())}
+
+
+def test_every_public_name_is_in_the_api_reference():
+  missing = set(qsgd_jax.__all__) - _documented()
+  assert not missing, f"add these to a page of docs/api/: {sorted(missing)}"
+
+
+def _public_objects():
+  """``(name, object)`` of every public name, a submodule's public names in its place."""
+  for name in qsgd_jax.__all__:
+    value = getattr(qsgd_jax, name)
+    if isinstance(value, types.ModuleType):
+      yield from ((f"{name}.{member}", getattr(value, member)) for member in value.__all__)
+    elif callable(value):
+      yield name, value
+
+
+def test_every_public_name_has_an_example():
+  def has_example(value) -> bool:
+    doc = inspect.getdoc(value) or ""
+    return ">>>" in doc or "Examples:" in doc  # The latter for what a doctest cannot run.
+
+  without = [name for name, value in _public_objects() if not has_example(value)]
+  # resize.Rule is a type alias (a Callable): there is nothing to call.
+  assert without == ["resize.Rule"], f"give these an Examples: section: {without}"
+
+
+def test_the_readme_table_is_what_the_results_files_say():
+  spec = importlib.util.spec_from_file_location("figures", _ROOT / "benchmarks" / "figures.py")
+  figures = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(figures)
+  assert figures.main(["--check"]) == 0, "run python benchmarks/figures.py"
