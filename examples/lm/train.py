@@ -10,7 +10,9 @@ steps. An optimizer that communicates by itself (a compressed Adam) takes the
 devices' own gradients in its ``update`` and plugs in beside AdamW in
 :data:`OPTIMIZERS`. The step runs under ``jax.pmap`` or ``jax.shard_map``, or
 is a ``jax.jit`` step over a mesh made by ``qsgd_jax.data_parallel``
-(``config.parallelism``).
+(``config.parallelism``). With ``fsdp``, parameters and AdamW's moments are
+sharded over the devices instead, and the gradient is averaged by the
+compressed reduce-scatter of ``qsgd_jax.fsdp_gather`` (``fsdp.py``).
 
 The state is checkpointed with orbax every ``config.checkpoint_every_steps``
 steps and at the end, into ``workdir/checkpoints``; a run started in a
@@ -38,11 +40,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from examples.lm import input_pipeline, models
+from examples.lm import fsdp, input_pipeline, models
 
 AXIS = "batch"
 AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit")
-PARALLELISMS = ("pmap", "shard_map", "jit")
+PARALLELISMS = ("pmap", "shard_map", "jit", "fsdp")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -74,9 +76,13 @@ def create_learning_rate_fn(config: ml_collections.ConfigDict, num_steps: int) -
 
 
 def weight_decay_mask(params):
-  """``True`` for the dense kernels; biases, LayerNorm parameters and embeddings are not decayed."""
+  """``True`` for the dense kernels; biases, LayerNorm parameters and embeddings are not decayed.
+
+  ``params`` may hold FSDP's ``qsgd_jax.FlatShard`` nodes: a leaf's name is its last dict key.
+  """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key == "kernel", params)
+      lambda path, _: [entry.key for entry in path
+                       if isinstance(entry, jax.tree_util.DictKey)][-1] == "kernel", params)
 
 
 def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -109,11 +115,18 @@ def averaged_adamw(config: ml_collections.ConfigDict,
 
   Clipping comes after the average: it bounds the step of the averaged
   gradient, the same on every device (clipping each device's own gradient
-  instead would be a different, per-device operation).
+  instead would be a different, per-device operation). Under FSDP the
+  gradients come averaged already, as shards: AdamW steps on the shards,
+  clipped by the whole gradient's norm.
   """
-  clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
+  if config.parallelism == "fsdp":
+    average, clip_by_global_norm = [], functools.partial(fsdp.clip_by_global_norm,
+                                                         axis_name=AXIS)
+  else:
+    average, clip_by_global_norm = [gradient_averaging(config)], optax.clip_by_global_norm
+  clip = [clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
   return optax.chain(
-      gradient_averaging(config),
+      *average,
       *clip,
       optax.adamw(learning_rate_fn, b1=config.b1, b2=config.b2, eps=config.eps,
                   weight_decay=config.weight_decay, mask=weight_decay_mask),
@@ -169,6 +182,13 @@ def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
   return state, jax.lax.pmean(metrics | wire_metrics(state.opt_state), AXIS)
 
 
+def fsdp_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
+  """One FSDP step on one device's share of the batch and its shards; call it under shard_map."""
+  loss, grads = fsdp.loss_and_grads(loss_fn, state, batch, AXIS)  # grads: averaged, shards.
+  state = state.apply_gradients(grads=grads)
+  return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
+
+
 def jit_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
                    data_parallel_step: Callable):
   """One step over the whole batch, under ``jax.jit``; ``data_parallel_step`` from data_parallel.
@@ -213,15 +233,21 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
   Under shard_map and jit the state is replicated (``P()``) except for the
   per-device parts of the optimizer's state, such as error-feedback residuals
   (:func:`qsgd_jax.state_partition_specs`). The jit step is
-  :func:`jit_train_step`; evaluation runs under shard_map.
+  :func:`jit_train_step`; evaluation runs under shard_map. Under fsdp the
+  parameters are ``qsgd_jax.fsdp_shard``'s shards, the model gathers them
+  layer by layer, and the optimizer's state is sharded as they are.
   """
+  fsdp_parallel = config.parallelism == "fsdp"
+  if fsdp_parallel:
+    model = model.clone(gather=fsdp.gather_fn(config, AXIS))
 
   def create(params):
     # A strongly typed step, as a restored checkpoint's: the compiled steps serve both.
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx).replace(
         step=jnp.zeros((), jnp.int32))
 
-  step = functools.partial(train_step, learning_rate_fn=learning_rate_fn)
+  step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
+                           learning_rate_fn=learning_rate_fn)
 
   if config.parallelism == "pmap":
     # pmap's own layout: the leading axis split over this process's devices.
@@ -253,13 +279,21 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
                        axis_types=(jax.sharding.AxisType.Explicit,))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
   shard = functools.partial(jax.shard_map, mesh=mesh)
-  specs = _state_specs(jax.eval_shape(create, _param_shapes(model)))
 
   def replicate(params):
     # Every process holds the same initial values; each gives its own devices their copies.
     return jax.tree.map(
         lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
         jax.device_get(params))
+
+  if fsdp_parallel:
+    shard_shapes = jax.eval_shape(lambda p: fsdp.shard(p, mesh, AXIS, config),
+                                  _param_shapes(model))
+    param_specs = jax.tree.map(lambda x: x.sharding.spec, shard_shapes)
+    specs = fsdp.out_specs(create, mesh, AXIS, (param_specs,), shard_shapes)
+  else:
+    param_specs = P()
+    specs = _state_specs(jax.eval_shape(create, _param_shapes(model)))
 
   def put_batch(batch):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(split, x), batch)
@@ -278,10 +312,11 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
                                       data_parallel_step=data_parallel.step),
                     donate_argnums=(0,))
   else:
-    sharded_create = jax.jit(shard(create, in_specs=P(), out_specs=specs))
+    sharded_create = jax.jit(shard(create, in_specs=(param_specs,), out_specs=specs))
 
     def init(params):
-      return sharded_create(replicate(params))
+      params = replicate(params)
+      return sharded_create(fsdp.shard(params, mesh, AXIS, config) if fsdp_parallel else params)
 
     train = jax.jit(shard(step, in_specs=(specs, P(AXIS)), out_specs=(specs, P())),
                     donate_argnums=(0,))
@@ -324,7 +359,7 @@ def _programs(config_json: str) -> Programs:
 
 def _param_shapes(model: models.TransformerLM):
   tokens = jax.ShapeDtypeStruct((1, model.context_length), jnp.int32)
-  return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+  return jax.eval_shape(model.clone(gather=None).init, jax.random.key(0), tokens)["params"]
 
 
 def _state_specs(shapes: TrainState) -> TrainState:
@@ -548,6 +583,13 @@ def _check_config(config) -> None:
   _check_choice(config, "optimizer", tuple(OPTIMIZERS))
   _check_choice(config, "average", AVERAGES)
   _check_choice(config, "parallelism", PARALLELISMS)
+  if config.parallelism == "fsdp":
+    _check_choice(config, "fsdp_weights", fsdp.WEIGHTS)
+    if config.average not in fsdp.AVERAGES:
+      raise ValueError(
+          f"config.average must be one of {', '.join(fsdp.AVERAGES)} under parallelism fsdp "
+          f"(its reduce-scatter, fsdp_gather's derivative, keeps no error-feedback residual); "
+          f"got {config.average!r}.")
   _check_choice(config, "dtype", tuple(DTYPES))
   if config.width % config.num_heads:
     raise ValueError(f"config.width {config.width} must be a multiple of config.num_heads "
