@@ -16,14 +16,22 @@ collective but the global norm of the clipping and the metrics.
 | ``fp32`` | ``Identity()`` | ``fp32`` | ``Identity()`` |
 | ``bf16`` | ``Cast(jnp.bfloat16)`` | ``bf16`` | ``Cast(jnp.bfloat16)`` |
 | ``int8``, ``int4`` | ``NearestAbsMax(bits)`` | ``qsgd8``, ``qsgd4`` | ``QSGD(bits)`` |
+
+``--optimizer=onebit_adam`` is 1-bit Adam under FSDP: each layer gathers with
+``qsgd_jax.fsdp_onebit_gather``, whose gradient is reduce-scattered as
+``config.average`` says for the first ``config.freeze_step`` steps, then in
+one bit an element with each device's worker error (a buffer a layer, in
+:class:`OneBitTrainState`), and ``qsgd_jax.fsdp_onebit_adam`` steps on the
+shards with the variance frozen from then on.
 """
 
-import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
@@ -44,10 +52,15 @@ def compressors(config: ml_collections.ConfigDict) -> tuple[qsgd_jax.Compressor,
 
 
 def gather_fn(config: ml_collections.ConfigDict, axis_name: str):
-  """What each layer of the model calls on its parameters' shards."""
+  """What each layer of the model calls on its variables: its parameters gathered."""
   forward, backward = compressors(config)
-  return functools.partial(qsgd_jax.fsdp_gather, axis_name=axis_name, forward=forward,
-                           backward=backward, min_compressed_size=config.min_compressed_size)
+
+  def gather(variables):
+    return {**variables, "params": qsgd_jax.fsdp_gather(
+        variables["params"], axis_name, forward=forward, backward=backward,
+        min_compressed_size=config.min_compressed_size)}
+
+  return gather
 
 
 def shard(params, mesh: jax.sharding.Mesh, axis_name: str, config: ml_collections.ConfigDict):
@@ -114,3 +127,77 @@ def loss_and_grads(loss_fn, state, batch, axis_name: str):
     return jax.lax.pmean(loss_fn(params, batch, state.apply_fn), axis_name)
 
   return jax.value_and_grad(mean_loss)(state.params)
+
+
+ERROR_COLLECTION = "fsdp_error"
+
+
+class OneBitTrainState(TrainState):
+  """A ``TrainState`` with each device's worker errors of 1-bit Adam under FSDP.
+
+  Attributes:
+    worker_error: ``{layer: {"worker_error": float32[N, width]}}`` on each
+      device, for each top-level layer that sends a gradient in one bit
+      (:func:`worker_errors`).
+  """
+
+  worker_error: Any = None
+
+
+def worker_errors(shards, config: ml_collections.ConfigDict, axis_name: str) -> dict:
+  """The zero worker errors of each top-level layer with a leaf that goes 1-bit."""
+  errors = {name: qsgd_jax.fsdp_onebit_error(layer, axis_name,
+                                             min_compressed_size=config.min_compressed_size)
+            for name, layer in shards.items()}
+  return {name: {"worker_error": error} for name, error in errors.items() if error.shape[1]}
+
+
+def onebit_gather_fn(config: ml_collections.ConfigDict, axis_name: str, compress: jax.Array):
+  """What each layer calls on its variables under 1-bit Adam: the parameters gathered,
+  their gradient 1-bit with the layer's worker error where ``compress``."""
+  forward, warm_up = compressors(config)
+
+  def gather(variables):
+    options = dict(min_compressed_size=config.min_compressed_size)
+    if ERROR_COLLECTION in variables:
+      error = variables[ERROR_COLLECTION]["worker_error"]
+    else:  # Nothing 1-bit in this layer.
+      error = qsgd_jax.fsdp_onebit_error(variables["params"], axis_name, **options)
+    return {**variables, "params": qsgd_jax.fsdp_onebit_gather(
+        variables["params"], error, axis_name, compress=compress, forward=forward,
+        warm_up=warm_up, **options)}
+
+  return gather
+
+
+def onebit_loss_and_grads(loss_fn, model, state: OneBitTrainState, batch, axis_name: str,
+                          config: ml_collections.ConfigDict):
+  """:func:`loss_and_grads` under 1-bit Adam, and the new worker errors.
+
+  The gradient goes 1-bit from step ``config.freeze_step`` on (the step
+  count, the same on every device, picks the branch).
+  """
+  compress = state.step >= config.freeze_step
+  onebit_model = model.clone(gather=onebit_gather_fn(config, axis_name, compress),
+                             gather_collections=("params", ERROR_COLLECTION))
+
+  def mean_loss(params, worker_error):
+    def apply_fn(variables, tokens):
+      return onebit_model.apply({**variables, ERROR_COLLECTION: worker_error}, tokens)
+    return jax.lax.pmean(loss_fn(params, batch, apply_fn), axis_name)
+
+  loss, (grads, worker_error) = jax.value_and_grad(mean_loss, argnums=(0, 1))(
+      state.params, state.worker_error)
+  return loss, grads, worker_error
+
+
+def onebit_adam(config: ml_collections.ConfigDict, learning_rate_fn: optax.Schedule, *,
+                axis_name: str, weight_decay_mask) -> optax.GradientTransformation:
+  """``qsgd_jax.fsdp_onebit_adam`` on the shards, clipped by the whole gradient's norm; the
+  variance of the shards (the leaves that go 1-bit) freezes."""
+  clip = ([clip_by_global_norm(config.grad_clip_norm, axis_name)]
+          if config.grad_clip_norm > 0 else [])
+  return optax.chain(*clip, qsgd_jax.fsdp_onebit_adam(
+      learning_rate_fn, freeze_step=config.freeze_step, b1=config.b1, b2=config.b2,
+      eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
+      frozen_mask=lambda params: jax.tree.map(lambda x: is_sharded(x, axis_name), params)))

@@ -21,7 +21,7 @@ from examples.lm import devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl, summary.json, checkpoints.")
-flags.DEFINE_string("optimizer", None, "Overrides config.optimizer (adamw).")
+flags.DEFINE_string("optimizer", None, "Overrides config.optimizer (adamw, onebit_adam).")
 flags.DEFINE_string("average", None,
                     "Overrides config.average (fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit).")
 flags.DEFINE_string("parallelism", None,

@@ -102,10 +102,13 @@ class TransformerLM(nn.Module):
     context_length: the most positions a sequence may have (position embeddings).
     mlp_ratio: the MLP's hidden width over ``width``.
     dtype: the computation's dtype.
-    gather: ``None``, or for FSDP a function from a layer's parameters as this
-      device holds them (shards) to the whole parameters, such as
-      ``functools.partial(qsgd_jax.fsdp_gather, axis_name="batch")``. The
+    gather: ``None``, or for FSDP a function from a layer's variables as this
+      device holds them, ``{collection: tree}`` for the ``gather_collections``
+      (the parameters' shards), to the same with the whole parameters, such as
+      ``lambda v: {"params": qsgd_jax.fsdp_gather(v["params"], "batch")}``. The
       parameters' tree is the same either way: initialize without it.
+    gather_collections: the variable collections ``gather`` gets, those of
+      them that the layer has.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -123,13 +126,15 @@ class TransformerLM(nn.Module):
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
   gather: Callable | None = None
+  gather_collections: tuple[str, ...] = ("params",)
 
   def _gathering(self, module_class: type[nn.Module]) -> type[nn.Module]:
     """``module_class``, gathering its parameters just before it runs if there is ``gather``."""
     if self.gather is None:
       return module_class
-    return nn.remat(nn.map_variables(module_class, "params", trans_in_fn=self.gather, init=True),
-                    policy=qsgd_jax.fsdp_remat_policy)
+    gathering = nn.map_variables(module_class, list(self.gather_collections),
+                                 trans_in_fn=self.gather, init=True)
+    return nn.remat(gathering, policy=qsgd_jax.fsdp_remat_policy)
 
   @nn.compact
   def __call__(self, tokens):

@@ -133,15 +133,33 @@ def averaged_adamw(config: ml_collections.ConfigDict,
   )
 
 
+def onebit_adam(config: ml_collections.ConfigDict,
+                learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """1-bit Adam, float32 for ``config.freeze_step`` steps, then the variance frozen.
+
+  Data-parallel, DeepSpeed's (``qsgd_jax.onebit_adam``, which averages the
+  devices' own gradients itself, its momentum in one bit: no clipping, and
+  ``config.average`` does not apply). Under FSDP, ``fsdp.onebit_adam``: the
+  gradients' reduce-scatter goes 1-bit, and Adam steps on the shards, clipped.
+  """
+  if config.parallelism == "fsdp":
+    return fsdp.onebit_adam(config, learning_rate_fn, axis_name=AXIS,
+                            weight_decay_mask=weight_decay_mask)
+  return qsgd_jax.onebit_adam(
+      learning_rate_fn, AXIS, freeze_step=config.freeze_step, b1=config.b1, b2=config.b2,
+      eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
+      min_compressed_size=config.min_compressed_size, axis_size=jax.device_count())
+
+
 # Each optimizer, by name: ``(config, learning_rate_fn) -> optax.GradientTransformation`` whose
 # ``update(grads, state, params)`` takes each device's own gradients over AXIS (it must average
 # them: communicate) and returns updates that are the same on every device. AdamW averages
-# with ``config.average`` first; an optimizer that communicates by itself, such as a compressed
-# Adam, goes here as its own entry, e.g.
-# ``lambda config, lr: qsgd_jax.onebit_adam(lr, AXIS, freeze_step=..., b1=config.b1, ...)``.
+# with ``config.average`` first; an optimizer that communicates by itself, such as 1-bit Adam,
+# is its own entry. Under FSDP, ``update`` takes the averaged gradients of the shards.
 OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict, optax.Schedule],
                                optax.GradientTransformation]] = {
     "adamw": averaged_adamw,
+    "onebit_adam": onebit_adam,
 }
 
 
@@ -186,6 +204,15 @@ def fsdp_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
   """One FSDP step on one device's share of the batch and its shards; call it under shard_map."""
   loss, grads = fsdp.loss_and_grads(loss_fn, state, batch, AXIS)  # grads: averaged, shards.
   state = state.apply_gradients(grads=grads)
+  return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
+
+
+def fsdp_onebit_train_step(state: fsdp.OneBitTrainState, batch, learning_rate_fn: optax.Schedule,
+                           model: models.TransformerLM, config: ml_collections.ConfigDict):
+  """:func:`fsdp_train_step` under 1-bit Adam: the worker errors carried to the next step."""
+  loss, grads, worker_error = fsdp.onebit_loss_and_grads(loss_fn, model, state, batch, AXIS,
+                                                         config)
+  state = state.apply_gradients(grads=grads).replace(worker_error=worker_error)
   return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
 
 
@@ -238,16 +265,25 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
   layer by layer, and the optimizer's state is sharded as they are.
   """
   fsdp_parallel = config.parallelism == "fsdp"
+  onebit_fsdp = fsdp_parallel and config.optimizer == "onebit_adam"
   if fsdp_parallel:
     model = model.clone(gather=fsdp.gather_fn(config, AXIS))
 
   def create(params):
+    if onebit_fsdp:
+      state = fsdp.OneBitTrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                           worker_error=fsdp.worker_errors(params, config, AXIS))
+    else:
+      state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step, as a restored checkpoint's: the compiled steps serve both.
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx).replace(
-        step=jnp.zeros((), jnp.int32))
+    return state.replace(step=jnp.zeros((), jnp.int32))
 
-  step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
-                           learning_rate_fn=learning_rate_fn)
+  if onebit_fsdp:
+    step = functools.partial(fsdp_onebit_train_step, learning_rate_fn=learning_rate_fn,
+                             model=model, config=config)
+  else:
+    step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
+                             learning_rate_fn=learning_rate_fn)
 
   if config.parallelism == "pmap":
     # pmap's own layout: the leading axis split over this process's devices.

@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_heads = 6
   config.dtype = "float32"  # Of the computation: float32 or bfloat16 (parameters stay float32).
 
-  config.optimizer = "adamw"  # The only one so far; see train.OPTIMIZERS.
+  config.optimizer = "adamw"  # Or onebit_adam; see train.OPTIMIZERS.
   config.batch_size = 64  # Global, in sequences: split over every device of every process.
   config.num_train_steps = 5000
   config.learning_rate = 6e-4  # The peak, after a linear warm-up, then cosine decay.
@@ -29,6 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eps = 1e-8
   config.weight_decay = 0.1  # Kernels only: not biases, LayerNorm or embeddings.
   config.grad_clip_norm = 1.0  # Of the averaged gradient's global norm; 0: no clipping.
+  config.freeze_step = 1000  # onebit_adam: float32 steps before the variance freezes.
 
   # How the gradients are averaged before AdamW: fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit.
   config.average = "qsgd4"
