@@ -12,9 +12,11 @@ projections that write into the residual stream scaled by
 the parameters stay float32 and the logits come back float32.
 
 For FSDP, ``gather`` makes each layer (a block, an embedding, the head) gather
-its own parameters from this device's shards just before it runs, inside
-``nn.remat`` with ``qsgd_jax.fsdp_remat_policy``, so that only one layer's
-parameters are whole at a time and the backward pass gathers them again.
+its own parameters from this device's shards just before it runs. The blocks
+and the head do it inside ``nn.remat`` with ``qsgd_jax.fsdp_remat_policy``, so
+that only one layer's parameters are whole at a time and the backward pass
+gathers them again; an embedding's backward pass needs the token ids only, not
+its table, so it is gathered once.
 
 References:
   Vaswani et al., Attention Is All You Need, NeurIPS 2017; Radford et al.,
@@ -128,13 +130,14 @@ class TransformerLM(nn.Module):
   gather: Callable | None = None
   gather_collections: tuple[str, ...] = ("params",)
 
-  def _gathering(self, module_class: type[nn.Module]) -> type[nn.Module]:
-    """``module_class``, gathering its parameters just before it runs if there is ``gather``."""
+  def _gathering(self, module_class: type[nn.Module], remat: bool = True) -> type[nn.Module]:
+    """``module_class``, gathering its parameters just before it runs if there is ``gather``
+    (and again in the backward pass with ``remat``)."""
     if self.gather is None:
       return module_class
     gathering = nn.map_variables(module_class, list(self.gather_collections),
                                  trans_in_fn=self.gather, init=True)
-    return nn.remat(gathering, policy=qsgd_jax.fsdp_remat_policy)
+    return nn.remat(gathering, policy=qsgd_jax.fsdp_remat_policy) if remat else gathering
 
   @nn.compact
   def __call__(self, tokens):
@@ -146,7 +149,7 @@ class TransformerLM(nn.Module):
     if length > self.context_length:
       raise ValueError(f"{length} tokens exceed the context_length {self.context_length}.")
     embed_init = nn.initializers.normal(INIT_STDDEV)
-    embed = self._gathering(nn.Embed)
+    embed = self._gathering(nn.Embed, remat=False)
     x = embed(VOCAB_SIZE, self.width, embedding_init=embed_init, name="token_embedding")(tokens)
     x = x + embed(self.context_length, self.width, embedding_init=embed_init,
                   name="position_embedding")(jnp.arange(length))
