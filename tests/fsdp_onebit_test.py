@@ -147,13 +147,16 @@ def test_the_onebit_branch_sends_a_bit_an_element():
 
 
 def _reference_adam(grads, freeze_step, b1=0.9, b2=0.999, eps=1e-8):
-  """Adam in numpy whose variance stops at update ``freeze_step``."""
+  """Adam in numpy whose variance stops at update ``freeze_step``, and whose momentum stays
+  zero where the frozen variance is."""
   m = v = np.zeros_like(grads[0])
   out = []
   for t, g in enumerate(grads, start=1):
     m = b1 * m + (1 - b1) * g
     if t <= freeze_step:
       v = b2 * v + (1 - b2) * g * g
+    else:
+      m = np.where(v == 0, 0, m)
     out.append(m / (1 - b1 ** t) / (np.sqrt(v / (1 - b2 ** min(t, freeze_step))) + eps))
   return out
 
@@ -162,6 +165,8 @@ def test_fsdp_onebit_adam_is_adamw_then_freezes_the_masked_variance():
   rng = np.random.default_rng(3)
   grads = [{"frozen": rng.normal(size=6).astype(np.float32),
             "free": rng.normal(size=3).astype(np.float32)} for _ in range(5)]
+  for t in range(2):  # No gradient for element 5 while warming up: it never moves.
+    grads[t]["frozen"][5] = 0
   params = {"frozen": np.ones(6, np.float32), "free": np.ones(3, np.float32)}
   tx = qsgd_jax.fsdp_onebit_adam(0.1, freeze_step=2, weight_decay=0.01,
                                  frozen_mask={"frozen": True, "free": False})
@@ -177,6 +182,8 @@ def test_fsdp_onebit_adam_is_adamw_then_freezes_the_masked_variance():
                                rtol=1e-4)
     if t < 2:
       np.testing.assert_allclose(updates["frozen"], expected["frozen"], rtol=1e-5)
+    else:
+      assert updates["frozen"][5] == -0.1 * 0.01 * params["frozen"][5]  # Weight decay only.
   assert int(state[0].count) == 5
 
 

@@ -306,9 +306,11 @@ def _columns(rows: jax.Array, config: _Config) -> list[jax.Array]:
 def _scaled_signs(scales: jax.Array, nonnegative: jax.Array, valid: jax.Array,
                   config: _Config) -> jax.Array:
   """``s * sign``: ``scales`` ``[len(onebit)]`` or ``[rows, len(onebit)]``, zero off ``valid``."""
-  scales = jnp.broadcast_to(scales, (nonnegative.shape[0], len(config.onebit)))
-  widths = [config.shards[i] for i in config.onebit]
-  by_column = jnp.repeat(scales, np.array(widths), axis=1, total_repeat_length=config.width)
+  rows = nonnegative.shape[0]
+  scales = jnp.broadcast_to(scales, (rows, len(config.onebit)))
+  by_column = jnp.concatenate(
+      [jnp.broadcast_to(scales[:, k:k + 1], (rows, config.shards[i]))
+       for k, i in enumerate(config.onebit)], axis=1)
   signs = jnp.where(nonnegative, np.float32(1), np.float32(-1))
   return jnp.where(valid, by_column * signs, np.float32(0))
 
@@ -345,6 +347,15 @@ def scale_by_fsdp_onebit_adam(
   the averaged gradient of this device's shards, from
   :func:`fsdp_onebit_gather`'s derivative.
 
+  Where the frozen :math:`v` is exactly zero (no gradient in the whole
+  warm-up: an embedding's unused rows, a dead unit's weights), :math:`m` is
+  kept at zero, as DeepSpeed's momentum mask (``exp_avg_mask``) keeps the
+  momentum of parameters whose gradient is always zero, here read from the
+  variance. A 1-bit gradient gives every element the tensor's scale with
+  some sign (a zero's sign is :math:`+1`, and the error feedback flips it back
+  and forth), and :math:`m / (\sqrt{0} + \epsilon)` would move such an
+  element by :math:`10^8` times that.
+
   Args:
     freeze_step: the float32 warm-up updates; pass
       ``compress=step >= freeze_step`` to :func:`fsdp_onebit_gather`.
@@ -379,6 +390,9 @@ def scale_by_fsdp_onebit_adam(
     nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
     nu = jax.tree.map(lambda new, old, freezes: jnp.where(frozen & freezes, old, new),
                       nu, state.nu, mask)
+    # No gradient in the warm-up (v = 0, frozen): the momentum stays zero.
+    mu = jax.tree.map(lambda m, v, freezes: jnp.where(frozen & freezes & (v == 0), 0, m),
+                      mu, nu, mask)
     m_hat, v_hat = mu, nu
     if bias_correction:
       m_hat = optax.tree.bias_correction(mu, b1, count)
