@@ -55,19 +55,27 @@ float32 all-reduce takes several times its compute. fp32, qsgd4, onebit and
 decentralized8: training seconds to a target accuracy and to fp32's final
 accuracy, the final accuracy, and a plot of accuracy against training seconds.
 
+**Part 4, the language model under FSDP** (``network_fsdp.py``,
+``--parts lm_fsdp``): ``examples/lm`` with ``--parallelism=fsdp`` on ``N``
+processes at 100 Mbit/s and 1 Gbit/s a node: the time a training step takes
+with float32, bfloat16 and compressed gathers and reduce-scatters, and 1-bit
+Adam under FSDP.
+
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
 machine's kernel rates (``compressor_throughput.py``'s JSON), and prints the
 predictions beside the measurements with what each refinement corrects.
 
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
-``network_time_to_accuracy_{N}proc[_quick].png``).
+``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
+for Part 4 alone).
 
 Usage (as root)::
 
   python benchmarks/network.py                   # all three parts, 4 processes
   python benchmarks/network.py --quick           # small trees, few modes
   python benchmarks/network.py --processes 8 --parts collectives
+  python benchmarks/network.py --processes 2 --parts lm_fsdp
 """
 
 import argparse
@@ -93,10 +101,11 @@ _ROOT = _HERE.parent
 sys.path[:0] = [str(_ROOT), str(_HERE)]
 
 import cost_model  # noqa: E402
+import network_fsdp  # noqa: E402
 import network_worker  # noqa: E402
 
 NAMESPACE = "qsgd_jax_network"
-PARTS = ("collectives", "training", "cost_model")
+PARTS = ("collectives", "training", "cost_model", "lm_fsdp")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
     "100 Mbit/s": 100e6,
@@ -647,7 +656,12 @@ def parse_args(argv=None):
   parser.add_argument("--throughput-json", type=pathlib.Path, default=None,
                       help="compressor_throughput.py's output, for the cost model (default:"
                            " the one in --out for 4,194,304 elements, else 1,048,576)")
+  network_fsdp.add_arguments(parser)
   args = parser.parse_args(argv)
+  for rate in args.fsdp_rates or ():
+    if rate not in RATES:
+      parser.error(f"--fsdp-rates: {rate!r} is not one of {tuple(RATES)}")
+  network_fsdp.resolve_arguments(args)
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
   args.rates = tuple(args.rates or (QUICK_RATES if args.quick else tuple(RATES)))
@@ -697,7 +711,8 @@ def main(argv=None) -> None:
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
   suffix = (f"{args.processes}proc" + ("_quick" if args.quick else "")
-            + ("_hugetlb" if _hugetlb() else ""))
+            + ("_hugetlb" if _hugetlb() else "")
+            + ("_lm_fsdp" if args.parts == ["lm_fsdp"] else ""))
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
@@ -728,6 +743,12 @@ def main(argv=None) -> None:
       sections.append(_section(
           "Part 2: time to accuracy",
           training_table(report["training"]) + f"\n![time to accuracy]({plot.name})\n"))
+    if "lm_fsdp" in args.parts:
+      _log(f"Part 4: {args.fsdp_modes} at {args.fsdp_rates} a node")
+      report["lm_fsdp"] = network_fsdp.run(launcher, args, work, RATES, _log)
+      sections.append(_section(
+          "Part 4: the language model under FSDP",
+          network_fsdp.table(report["lm_fsdp"], args.processes, RATES)))
   if namespace is not None and namespace.exists():
     raise RuntimeError(f"network namespace {namespace.name} still exists after the run")
   if "cost_model" in args.parts and "collectives" in report:

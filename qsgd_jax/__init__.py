@@ -5,7 +5,8 @@ Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
 Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`quantized_psum`, :func:`quantized_pmean`, :func:`quantized_psum_scatter`,
 :func:`quantized_all_gather`, :func:`wire_bytes`), FSDP compressed both ways
-(:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`) and optax transformations
+(:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`; 1-bit Adam under it,
+:func:`fsdp_onebit_gather` and :func:`fsdp_onebit_adam`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
 that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
@@ -31,6 +32,13 @@ from qsgd_jax._src.decentralized import (
 )
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
+from qsgd_jax._src.fsdp_onebit import (
+    FSDPOneBitAdamState,
+    fsdp_onebit_adam,
+    fsdp_onebit_error,
+    fsdp_onebit_gather,
+    scale_by_fsdp_onebit_adam,
+)
 from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.nearest_abs_max import NearestAbsMax
@@ -63,6 +71,7 @@ __all__ = (
     "Compressor",
     "DataParallel",
     "EliasSize",
+    "FSDPOneBitAdamState",
     "FlatShard",
     "Identity",
     "LowPrecisionDecentralizedState",
@@ -87,6 +96,9 @@ __all__ = (
     "data_parallel",
     "elias",
     "fsdp_gather",
+    "fsdp_onebit_adam",
+    "fsdp_onebit_error",
+    "fsdp_onebit_gather",
     "fsdp_remat_policy",
     "fsdp_shard",
     "initialize_distributed",
@@ -101,6 +113,7 @@ __all__ = (
     "quantized_psum_scatter",
     "resize",
     "resize_state",
+    "scale_by_fsdp_onebit_adam",
     "scale_by_onebit_adam",
     "state_partition_specs",
     "wire_bytes",

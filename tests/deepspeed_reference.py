@@ -87,6 +87,37 @@ def compressed_allreduce(buffers, worker_errors, server_errors):
   return out[:size].reshape(shape)  # nccl.py 164-167
 
 
+def worker_compressed_reduce_scatter(buffers, worker_errors, size):
+  """The worker half of ``compressed_allreduce`` (nccl.py 56-78, 100-102), summed by each
+  chunk's server without a second compression: 1-bit Adam's exchange under FSDP.
+
+  Each worker adds its error, takes one scale for the tensor and its signs (0 -> +1), keeps
+  what they missed, and sends chunk ``j`` to worker ``j``, who sums the ``n`` decoded copies.
+  Not in DeepSpeed: its scale divides by the parameter's ``size`` (DeepSpeed's by its padded
+  size, nccl.py 70), and elements past ``size`` (padding) are sent as zero and stay zero.
+
+  Args:
+    buffers: each worker's ``float32[n * chunk]``, zero past ``size``.
+    worker_errors: each worker's ``float32[n * chunk]``, updated in place.
+    size: the parameter's elements.
+
+  Returns:
+    ``[n][chunk]``: each server's sum.
+  """
+  n = len(buffers)
+  chunk = buffers[0].size // n
+  valid = np.arange(n * chunk) < size
+  decoded = []
+  for k in range(n):
+    buffer = buffers[k] + worker_errors[k]  # nccl.py 69
+    scale = F32(np.linalg.norm(buffer) / np.sqrt(size))  # nccl.py 70, over the parameter
+    signs = np.where(valid, _sign_plus_minus(buffer), F32(0))  # nccl.py 71
+    worker_errors[k][:] = buffer - scale * signs
+    decoded.append(scale * signs)
+  return [np.sum(np.stack([d[j * chunk:(j + 1) * chunk] for d in decoded]), axis=0, dtype=F32)
+          for j in range(n)]
+
+
 class OnebitAdam:
   """``OnebitAdam.step`` (adam.py 114-254) for ``n`` workers, one parameter group.
 

@@ -4,12 +4,21 @@
       [--modes=fp32,bf16,qsgd4,qsgd8,qsgd4_ef,onebit]
 
 A mode names a value of ``config.average`` or of ``config.optimizer``, or one
-of each joined by ``+`` (``adamw+qsgd4``). The runs go one after the other,
-each into ``DIR/<mode>/`` (``metrics.jsonl``, ``summary.json``); the
+of each joined by ``+`` (``adamw+qsgd4``); a part ``field=value`` sets any
+other config field (``fp32+fsdp_weights=fp32``). The runs go one after the
+other, each into ``DIR/<mode>/`` (``metrics.jsonl``, ``summary.json``); the
 comparison into ``DIR/comparison.json``, ``DIR/comparison.md`` (a table: the
 held-out loss and its difference from the ``fp32`` and ``bf16`` runs, bytes
 sent, tokens a second) and ``DIR/comparison.png`` (held-out loss against steps
-and against bytes sent).
+and against bytes sent). The ``fp32`` (``bf16``) run is the first whose mode
+starts with ``fp32`` (``bf16``).
+
+FSDP's comparison, float32, bfloat16, 8-bit weights with 4-bit gradients, and
+4-bit both ways::
+
+  python -m examples.lm.compare --workdir=DIR --config.parallelism=fsdp \
+      --modes=fp32+fsdp_weights=fp32,bf16+fsdp_weights=bf16,qsgd4+fsdp_weights=int8,\
+qsgd4+fsdp_weights=int4
 """
 
 import json
@@ -37,9 +46,14 @@ COLUMNS = ("| mode | held-out loss | vs fp32 | vs bf16 | final train loss | byte
 
 
 def apply_mode(config, mode: str, optimizers, averages) -> None:
-  """Sets ``config.optimizer`` and/or ``config.average`` from ``mode``."""
+  """Sets ``config.optimizer``, ``config.average`` and ``field=value`` parts from ``mode``."""
   for choice in mode.split("+"):
-    if choice in optimizers:
+    field, is_setting, value = choice.partition("=")
+    if is_setting:
+      if field not in config or type(config[field]) not in (str, int, float):
+        raise ValueError(f"Mode {mode!r}: {field!r} is not a str, int or float config field.")
+      config[field] = type(config[field])(value)
+    elif choice in optimizers:
       config.optimizer = choice
     elif choice in averages:
       config.average = choice
@@ -48,24 +62,41 @@ def apply_mode(config, mode: str, optimizers, averages) -> None:
                        f"({', '.join(optimizers)}) nor an average ({', '.join(averages)}).")
 
 
+def baselines(runs: list[dict]) -> dict[str, dict]:
+  """The ``fp32`` and ``bf16`` runs: the first whose mode starts with that name."""
+  found = {}
+  for run in runs:
+    name = run["mode"].split("+")[0]
+    if name in BASELINES and name not in found:
+      found[name] = run
+  return found
+
+
 def compared(runs: list[dict]) -> list[dict]:
   """Each run's summary with its mode and its held-out loss minus each baseline's."""
-  baselines = {run["mode"]: run["eval_loss"] for run in runs if run["mode"] in BASELINES}
-  return [run | {f"eval_loss_minus_{name}": run["eval_loss"] - loss
-                 for name, loss in baselines.items()} for run in runs]
+  found = baselines(runs)
+  return [run | {f"eval_loss_minus_{name}": run["eval_loss"] - baseline["eval_loss"]
+                 for name, baseline in found.items()} for run in runs]
 
 
 def table(runs: list[dict]) -> str:
-  """A markdown table, one row a mode; bytes are what one device sends a step."""
+  """A markdown table, one row a mode; bytes are what one device sends a step.
+
+  "vs fp32 bytes" is the fp32 run's HLO bytes over the row's, or without an
+  fp32 run, a float32 all-reduce of the gradients over the row's.
+  """
   rows = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
+  fp32 = baselines(runs).get("fp32")
   for run in runs:
+    fp32_bytes = (fp32["hlo_wire_bytes_per_step"] if fp32 is not None
+                  else run["fp32_allreduce_bytes_per_step"])
     differences = [run.get(f"eval_loss_minus_{name}") for name in BASELINES]
     wire = run["wire_bytes_per_step"]
     rows.append(
         f"| {run['mode']} | {run['eval_loss']:.4f} "
         + "".join("| - " if d is None else f"| {d:+.4f} " for d in differences)
         + f"| {run['final_train_loss']:.4f} | {'-' if wire is None else f'{wire:,.0f}'} "
-        f"| {run['fp32_allreduce_bytes_per_step'] / run['hlo_wire_bytes_per_step']:.1f}x "
+        f"| {fp32_bytes / run['hlo_wire_bytes_per_step']:.1f}x "
         f"| {run['hlo_wire_bytes_per_step']:,.0f} | {run['tokens_per_second']:,.0f} "
         f"| {run['train_seconds']:.0f} |"
     )
@@ -132,8 +163,8 @@ def main(argv):
       f"Held-out loss in nats a byte; the held-out text's entropy given 0, 1 and 2 bytes of "
       f"context: {entropies}. Bytes are what one device sends a step: the gradients' average "
       "as the optimizer reports it, and every collective of the compiled step (HLO, the "
-      "metrics' means included); \"vs fp32 bytes\" is a float32 all-reduce of the gradients "
-      "over the HLO bytes.\n\n"
+      "metrics' means included); \"vs fp32 bytes\" is the fp32 run's HLO bytes over the row's "
+      "(without an fp32 run, a float32 all-reduce of the gradients over the row's).\n\n"
   )
   (workdir / "comparison.md").write_text(header + table(runs))
   (workdir / "comparison.json").write_text(json.dumps(

@@ -1,7 +1,7 @@
 """Trains a byte-level transformer language model whose gradient average is compressed.
 
   python -m examples.lm.main --config=examples/lm/configs/small.py --workdir=DIR \
-      [--average=qsgd4] [--optimizer=adamw] [--parallelism=shard_map]
+      [--average=qsgd4] [--optimizer=adamw] [--parallelism=shard_map|pmap|jit|fsdp]
 
 ``--optimizer``, ``--average`` and ``--parallelism`` set the config fields of
 the same name (as ``--config.average=...`` does). Without accelerators, JAX is
@@ -21,10 +21,11 @@ from examples.lm import devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl, summary.json, checkpoints.")
-flags.DEFINE_string("optimizer", None, "Overrides config.optimizer (adamw).")
+flags.DEFINE_string("optimizer", None, "Overrides config.optimizer (adamw, onebit_adam).")
 flags.DEFINE_string("average", None,
                     "Overrides config.average (fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit).")
-flags.DEFINE_string("parallelism", None, "Overrides config.parallelism (pmap, shard_map, jit).")
+flags.DEFINE_string("parallelism", None,
+                    "Overrides config.parallelism (pmap, shard_map, jit, fsdp).")
 flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize (one process per host).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (with --multihost).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --multihost).")

@@ -11,16 +11,26 @@ projections that write into the residual stream scaled by
 ``dtype`` is the computation's dtype (``jnp.bfloat16`` for mixed precision);
 the parameters stay float32 and the logits come back float32.
 
+For FSDP, ``gather`` makes each layer (a block, an embedding, the head) gather
+its own parameters from this device's shards just before it runs. The blocks
+and the head do it inside ``nn.remat`` with ``qsgd_jax.fsdp_remat_policy``, so
+that only one layer's parameters are whole at a time and the backward pass
+gathers them again; an embedding's backward pass needs the token ids only, not
+its table, so it is gathered once.
+
 References:
   Vaswani et al., Attention Is All You Need, NeurIPS 2017; Radford et al.,
   Language Models are Unsupervised Multitask Learners, 2019.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+import qsgd_jax
 
 VOCAB_SIZE = 256  # Bytes.
 INIT_STDDEV = 0.02
@@ -94,6 +104,13 @@ class TransformerLM(nn.Module):
     context_length: the most positions a sequence may have (position embeddings).
     mlp_ratio: the MLP's hidden width over ``width``.
     dtype: the computation's dtype.
+    gather: ``None``, or for FSDP a function from a layer's variables as this
+      device holds them, ``{collection: tree}`` for the ``gather_collections``
+      (the parameters' shards), to the same with the whole parameters, such as
+      ``lambda v: {"params": qsgd_jax.fsdp_gather(v["params"], "batch")}``. The
+      parameters' tree is the same either way: initialize without it.
+    gather_collections: the variable collections ``gather`` gets, those of
+      them that the layer has.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -110,6 +127,17 @@ class TransformerLM(nn.Module):
   context_length: int
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
+  gather: Callable | None = None
+  gather_collections: tuple[str, ...] = ("params",)
+
+  def _gathering(self, module_class: type[nn.Module], remat: bool = True) -> type[nn.Module]:
+    """``module_class``, gathering its parameters just before it runs if there is ``gather``
+    (and again in the backward pass with ``remat``)."""
+    if self.gather is None:
+      return module_class
+    gathering = nn.map_variables(module_class, list(self.gather_collections),
+                                 trans_in_fn=self.gather, init=True)
+    return nn.remat(gathering, policy=qsgd_jax.fsdp_remat_policy) if remat else gathering
 
   @nn.compact
   def __call__(self, tokens):
@@ -121,15 +149,17 @@ class TransformerLM(nn.Module):
     if length > self.context_length:
       raise ValueError(f"{length} tokens exceed the context_length {self.context_length}.")
     embed_init = nn.initializers.normal(INIT_STDDEV)
-    x = nn.Embed(VOCAB_SIZE, self.width, embedding_init=embed_init,
-                 name="token_embedding")(tokens)
-    x = x + nn.Embed(self.context_length, self.width, embedding_init=embed_init,
-                     name="position_embedding")(jnp.arange(length))
+    embed = self._gathering(nn.Embed, remat=False)
+    x = embed(VOCAB_SIZE, self.width, embedding_init=embed_init, name="token_embedding")(tokens)
+    x = x + embed(self.context_length, self.width, embedding_init=embed_init,
+                  name="position_embedding")(jnp.arange(length))
     x = x.astype(self.dtype)
     residual_init = nn.initializers.normal(INIT_STDDEV / (2 * self.num_layers) ** 0.5)
+    block = self._gathering(Block)
     for layer in range(self.num_layers):
-      x = Block(self.num_heads, residual_init, self.mlp_ratio, self.dtype,
+      x = block(self.num_heads, residual_init, self.mlp_ratio, self.dtype,
                 name=f"block_{layer}")(x)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
-    logits = nn.Dense(VOCAB_SIZE, dtype=self.dtype, kernel_init=embed_init, name="head")(x)
+    logits = self._gathering(nn.Dense)(VOCAB_SIZE, dtype=self.dtype, kernel_init=embed_init,
+                                       name="head")(x)
     return logits.astype(jnp.float32)

@@ -10,7 +10,9 @@ steps. An optimizer that communicates by itself (a compressed Adam) takes the
 devices' own gradients in its ``update`` and plugs in beside AdamW in
 :data:`OPTIMIZERS`. The step runs under ``jax.pmap`` or ``jax.shard_map``, or
 is a ``jax.jit`` step over a mesh made by ``qsgd_jax.data_parallel``
-(``config.parallelism``).
+(``config.parallelism``). With ``fsdp``, parameters and AdamW's moments are
+sharded over the devices instead, and the gradient is averaged by the
+compressed reduce-scatter of ``qsgd_jax.fsdp_gather`` (``fsdp.py``).
 
 The state is checkpointed with orbax every ``config.checkpoint_every_steps``
 steps and at the end, into ``workdir/checkpoints``; a run started in a
@@ -38,11 +40,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from examples.lm import input_pipeline, models
+from examples.lm import fsdp, input_pipeline, models
 
 AXIS = "batch"
 AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit", "powersgd")
-PARALLELISMS = ("pmap", "shard_map", "jit")
+PARALLELISMS = ("pmap", "shard_map", "jit", "fsdp")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -74,9 +76,13 @@ def create_learning_rate_fn(config: ml_collections.ConfigDict, num_steps: int) -
 
 
 def weight_decay_mask(params):
-  """``True`` for the dense kernels; biases, LayerNorm parameters and embeddings are not decayed."""
+  """``True`` for the dense kernels; biases, LayerNorm parameters and embeddings are not decayed.
+
+  ``params`` may hold FSDP's ``qsgd_jax.FlatShard`` nodes: a leaf's name is its last dict key.
+  """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key == "kernel", params)
+      lambda path, _: [entry.key for entry in path
+                       if isinstance(entry, jax.tree_util.DictKey)][-1] == "kernel", params)
 
 
 def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -112,11 +118,18 @@ def averaged_adamw(config: ml_collections.ConfigDict,
 
   Clipping comes after the average: it bounds the step of the averaged
   gradient, the same on every device (clipping each device's own gradient
-  instead would be a different, per-device operation).
+  instead would be a different, per-device operation). Under FSDP the
+  gradients come averaged already, as shards: AdamW steps on the shards,
+  clipped by the whole gradient's norm.
   """
-  clip = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
+  if config.parallelism == "fsdp":
+    average, clip_by_global_norm = [], functools.partial(fsdp.clip_by_global_norm,
+                                                         axis_name=AXIS)
+  else:
+    average, clip_by_global_norm = [gradient_averaging(config)], optax.clip_by_global_norm
+  clip = [clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
   return optax.chain(
-      gradient_averaging(config),
+      *average,
       *clip,
       optax.adamw(learning_rate_fn, b1=config.b1, b2=config.b2, eps=config.eps,
                   weight_decay=config.weight_decay, mask=weight_decay_mask),
@@ -125,10 +138,18 @@ def averaged_adamw(config: ml_collections.ConfigDict,
 
 def onebit_adam(config: ml_collections.ConfigDict,
                 learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
-  """DeepSpeed's 1-bit Adam (:func:`qsgd_jax.onebit_adam`): AdamW on the float32 mean gradient
-  for ``config.freeze_step`` steps (or until its variance settles, ``"auto"``), then the
-  variance frozen and the momenta averaged 1-bit. It averages for itself (``config.average``
-  does not apply) and does not clip, as DeepSpeed's does not."""
+  """DeepSpeed's 1-bit Adam: AdamW on the float32 mean gradient for ``config.freeze_step``
+  steps (or until its variance settles, ``"auto"``), then the variance frozen and the
+  momenta averaged in one bit.
+
+  Data-parallel, :func:`qsgd_jax.onebit_adam`, which averages the devices' own gradients
+  itself (``config.average`` does not apply) and does not clip, as DeepSpeed's does not.
+  Under FSDP, ``fsdp.onebit_adam``: the gradients' reduce-scatter goes 1-bit, and Adam
+  steps on the shards, clipped.
+  """
+  if config.parallelism == "fsdp":
+    return fsdp.onebit_adam(config, learning_rate_fn, axis_name=AXIS,
+                            weight_decay_mask=weight_decay_mask)
   return qsgd_jax.onebit_adam(
       learning_rate_fn, AXIS, freeze_step=_freeze_step(config), b1=config.b1, b2=config.b2,
       eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
@@ -157,7 +178,8 @@ def _freeze_step(config: ml_collections.ConfigDict) -> int | str:
 # Each optimizer, by name: ``(config, learning_rate_fn) -> optax.GradientTransformation`` whose
 # ``update(grads, state, params)`` takes each device's own gradients over AXIS (it must average
 # them: communicate) and returns updates that are the same on every device. AdamW averages
-# with ``config.average`` first; the compressed Adams average for themselves.
+# with ``config.average`` first; the compressed Adams average for themselves. Under FSDP,
+# ``update`` takes the averaged gradients of the shards.
 OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict, optax.Schedule],
                                optax.GradientTransformation]] = {
     "adamw": averaged_adamw,
@@ -201,6 +223,22 @@ def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
   state = state.apply_gradients(grads=grads)
   metrics = {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
   return state, jax.lax.pmean(metrics | wire_metrics(state.opt_state), AXIS)
+
+
+def fsdp_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
+  """One FSDP step on one device's share of the batch and its shards; call it under shard_map."""
+  loss, grads = fsdp.loss_and_grads(loss_fn, state, batch, AXIS)  # grads: averaged, shards.
+  state = state.apply_gradients(grads=grads)
+  return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
+
+
+def fsdp_onebit_train_step(state: fsdp.OneBitTrainState, batch, learning_rate_fn: optax.Schedule,
+                           model: models.TransformerLM, config: ml_collections.ConfigDict):
+  """:func:`fsdp_train_step` under 1-bit Adam: the worker errors carried to the next step."""
+  loss, grads, worker_error = fsdp.onebit_loss_and_grads(loss_fn, model, state, batch, AXIS,
+                                                         config)
+  state = state.apply_gradients(grads=grads).replace(worker_error=worker_error)
+  return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
 
 
 def jit_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
@@ -247,15 +285,30 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
   Under shard_map and jit the state is replicated (``P()``) except for the
   per-device parts of the optimizer's state, such as error-feedback residuals
   (:func:`qsgd_jax.state_partition_specs`). The jit step is
-  :func:`jit_train_step`; evaluation runs under shard_map.
+  :func:`jit_train_step`; evaluation runs under shard_map. Under fsdp the
+  parameters are ``qsgd_jax.fsdp_shard``'s shards, the model gathers them
+  layer by layer, and the optimizer's state is sharded as they are.
   """
+  fsdp_parallel = config.parallelism == "fsdp"
+  onebit_fsdp = fsdp_parallel and config.optimizer == "onebit_adam"
+  if fsdp_parallel:
+    model = model.clone(gather=fsdp.gather_fn(config, AXIS))
 
   def create(params):
+    if onebit_fsdp:
+      state = fsdp.OneBitTrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                           worker_error=fsdp.worker_errors(params, config, AXIS))
+    else:
+      state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step, as a restored checkpoint's: the compiled steps serve both.
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx).replace(
-        step=jnp.zeros((), jnp.int32))
+    return state.replace(step=jnp.zeros((), jnp.int32))
 
-  step = functools.partial(train_step, learning_rate_fn=learning_rate_fn)
+  if onebit_fsdp:
+    step = functools.partial(fsdp_onebit_train_step, learning_rate_fn=learning_rate_fn,
+                             model=model, config=config)
+  else:
+    step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
+                             learning_rate_fn=learning_rate_fn)
 
   if config.parallelism == "pmap":
     # pmap's own layout: the leading axis split over this process's devices.
@@ -287,13 +340,21 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
                        axis_types=(jax.sharding.AxisType.Explicit,))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
   shard = functools.partial(jax.shard_map, mesh=mesh)
-  specs = _state_specs(jax.eval_shape(create, _param_shapes(model)))
 
   def replicate(params):
     # Every process holds the same initial values; each gives its own devices their copies.
     return jax.tree.map(
         lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
         jax.device_get(params))
+
+  if fsdp_parallel:
+    shard_shapes = jax.eval_shape(lambda p: fsdp.shard(p, mesh, AXIS, config),
+                                  _param_shapes(model))
+    param_specs = jax.tree.map(lambda x: x.sharding.spec, shard_shapes)
+    specs = fsdp.out_specs(create, mesh, AXIS, (param_specs,), shard_shapes)
+  else:
+    param_specs = P()
+    specs = _state_specs(jax.eval_shape(create, _param_shapes(model)))
 
   def put_batch(batch):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(split, x), batch)
@@ -312,10 +373,11 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
                                       data_parallel_step=data_parallel.step),
                     donate_argnums=(0,))
   else:
-    sharded_create = jax.jit(shard(create, in_specs=P(), out_specs=specs))
+    sharded_create = jax.jit(shard(create, in_specs=(param_specs,), out_specs=specs))
 
     def init(params):
-      return sharded_create(replicate(params))
+      params = replicate(params)
+      return sharded_create(fsdp.shard(params, mesh, AXIS, config) if fsdp_parallel else params)
 
     train = jax.jit(shard(step, in_specs=(specs, P(AXIS)), out_specs=(specs, P())),
                     donate_argnums=(0,))
@@ -358,7 +420,7 @@ def _programs(config_json: str) -> Programs:
 
 def _param_shapes(model: models.TransformerLM):
   tokens = jax.ShapeDtypeStruct((1, model.context_length), jnp.int32)
-  return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+  return jax.eval_shape(model.clone(gather=None).init, jax.random.key(0), tokens)["params"]
 
 
 def _state_specs(shapes: TrainState) -> TrainState:
@@ -582,6 +644,20 @@ def _check_config(config) -> None:
   _check_choice(config, "optimizer", tuple(OPTIMIZERS))
   _check_choice(config, "average", AVERAGES)
   _check_choice(config, "parallelism", PARALLELISMS)
+  if config.parallelism == "fsdp":
+    _check_choice(config, "fsdp_weights", fsdp.WEIGHTS)
+    if config.average not in fsdp.AVERAGES:
+      raise ValueError(
+          f"config.average must be one of {', '.join(fsdp.AVERAGES)} under parallelism fsdp "
+          f"(its reduce-scatter, fsdp_gather's derivative, keeps no error-feedback residual); "
+          f"got {config.average!r}.")
+    if config.optimizer == "zero_one_adam":
+      raise ValueError("config.optimizer zero_one_adam does not run under parallelism fsdp; use "
+                       "onebit_adam (qsgd_jax.fsdp_onebit_adam) or adamw.")
+    if config.optimizer == "onebit_adam" and config.freeze_step == "auto":
+      raise ValueError("config.freeze_step must be a step under parallelism fsdp with "
+                       "onebit_adam (fsdp_onebit_adam has no 'auto'); e.g. "
+                       "--config.freeze_step=60.")
   _check_choice(config, "dtype", tuple(DTYPES))
   if config.width % config.num_heads:
     raise ValueError(f"config.width {config.width} must be a multiple of config.num_heads "

@@ -1,7 +1,7 @@
 """Tests of the language-model example: the text, steps in each parallelism, a resumed run.
 
 One small config throughout; each test's compiled step is reused where the
-config is the same (``train.programs``), so the file compiles three steps.
+config is the same (``train.programs``), so the file compiles five steps.
 """
 
 import doctest
@@ -14,11 +14,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import qsgd_jax
 from examples.lm import grammar, input_pipeline, train
 from examples.lm.configs import smoke
 
-# The run of the resumption test: error feedback keeps per-device residuals in the state.
+# The runs of the resumption test: error feedback keeps per-device residuals in the state;
+# 1-bit Adam under FSDP, shards and per-device worker errors (1-bit from step 3 of 6).
 RUN_CASE = ("qsgd4_ef", "shard_map")
+FSDP_RUN_CASE = ("fp32", "fsdp", "onebit_adam")
+FSDP_CASE = ("qsgd4", "fsdp")
 STEP_CASES = (RUN_CASE, ("bf16", "pmap"), ("onebit", "jit"))
 TIMINGS = ("steps_per_second", "tokens_per_second", "train_seconds", "wall_seconds")
 
@@ -35,10 +39,11 @@ def fast_compilation():
   jax.config.update("jax_disable_most_optimizations", previous)
 
 
-def _config(average: str, parallelism: str):
+def _config(average: str, parallelism: str, optimizer: str = "adamw"):
   config = smoke.get_config()
   config.average = average
   config.parallelism = parallelism
+  config.optimizer = optimizer
   return config
 
 
@@ -94,7 +99,7 @@ def test_conditional_entropy_counts_what_the_context_determines():
 @pytest.mark.parametrize("field, value, allowed", [
     ("optimizer", "lamb", "adamw, onebit_adam, zero_one_adam"),
     ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit, powersgd"),
-    ("parallelism", "pjit", "pmap, shard_map, jit"),
+    ("parallelism", "pjit", "pmap, shard_map, jit, fsdp"),
 ])
 def test_unknown_choices_are_errors_that_list_the_allowed_ones(field, value, allowed):
   config = smoke.get_config()
@@ -139,10 +144,69 @@ def test_steps_on_a_repeated_batch_lower_the_loss_and_keep_replicas_equal(averag
   assert train._scalar(metrics["wire_bytes"]) < train._scalar(metrics["fp32_wire_bytes"])
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _steps(config, num_steps):
+  """The state after ``num_steps`` steps on the training stream, and each step's loss."""
+  model, _, _, mapped = train.programs(config)
+  state = mapped.init(train.initialized(jax.random.key(0), model))
+  batches = input_pipeline.train_batches(config)
+  losses = []
+  for _ in range(num_steps):
+    state, metrics = mapped.train_step(state, mapped.put_batch(next(batches)))
+    jax.block_until_ready((state, metrics))
+    losses.append(train._scalar(metrics["loss"]))
+  return state, losses
+
+
+def _whole(params) -> list[np.ndarray]:
+  """The leaves of FSDP's parameters (or of any), each whole, as numpy arrays."""
+  def whole(leaf):
+    if isinstance(leaf, qsgd_jax.FlatShard):
+      return np.asarray(leaf.shard)[:math.prod(leaf.shape)].reshape(leaf.shape)
+    return np.asarray(leaf)
+  return [whole(leaf) for leaf in jax.tree.leaves(
+      params, is_leaf=lambda x: isinstance(x, qsgd_jax.FlatShard))]
+
+
+def test_fsdp_shards_the_state_and_follows_float32_fsdp_which_is_data_parallel_float32():
+  """8-bit weights and 4-bit gradients against float32 FSDP (Identity both ways), and that
+  against float32 data parallelism: the same steps, up to float32 rounding."""
+  compressed = _config(*FSDP_CASE)
+  exact = _config("fp32", "fsdp")
+  exact.fsdp_weights = "fp32"
+  state, losses = _steps(compressed, 5)
+  exact_state, exact_losses = _steps(exact, 5)
+  replicated_state, replicated_losses = _steps(_config("fp32", "shard_map"), 5)
+
+  # A kernel and its moments: a different eighth on each device; a bias whole everywhere.
+  adam = state.opt_state[1][0]
+  for tree in (state.params, adam.mu, adam.nu):
+    copies = [np.asarray(s.data) for s in tree["block_0"]["mlp_in"]["kernel"].addressable_shards]
+    assert len(copies) == jax.device_count()
+    assert all(c.shape == (compressed.width // jax.device_count(), 4 * compressed.width)
+               for c in copies)
+    assert not np.array_equal(copies[0], copies[1])
+  assert isinstance(state.params["block_0"]["attention"]["out"]["kernel"], qsgd_jax.FlatShard)
+  for copies in _device_copies(state.params["block_0"]["mlp_in"]["bias"]):
+    assert all(np.array_equal(copies[0], other) for other in copies[1:])
+
+  np.testing.assert_allclose(exact_losses, replicated_losses, rtol=1e-6)
+  for got, expected in zip(_whole(exact_state.params), _whole(replicated_state.params),
+                           strict=True):
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+  # Compressed: the loss falls as float32's does, and the parameters move the same way.
+  assert losses[-1] < losses[0] - 0.3, losses
+  np.testing.assert_allclose(losses, exact_losses, atol=0.05)
+  initial = _whole(train.initialized(jax.random.key(0), train.create_model(compressed)))
+  moved, exact_moved = (np.concatenate([(a - b).ravel() for a, b in zip(
+      _whole(s.params), initial, strict=True)]) for s in (state, exact_state))
+  cosine = moved @ exact_moved / np.linalg.norm(moved) / np.linalg.norm(exact_moved)
+  assert cosine > 0.85, cosine
+
+
+@pytest.fixture(scope="module", params=[RUN_CASE, FSDP_RUN_CASE], ids="-".join)
+def runs(request, tmp_path_factory):
   """An uninterrupted run, and one resumed from its checkpoint of step 4 after step 5."""
-  config = _config(*RUN_CASE)
+  config = _config(*request.param)
   uninterrupted = tmp_path_factory.mktemp("uninterrupted")
   interrupted = tmp_path_factory.mktemp("interrupted")
   summary = train.train_and_evaluate(config, str(uninterrupted))
@@ -160,13 +224,18 @@ def test_a_run_writes_its_metrics_and_summary(runs):
   assert summary["steps"] == config.num_train_steps and summary["first_step"] == 0
   assert math.isfinite(summary["eval_loss"]) and math.isfinite(summary["final_train_loss"])
   assert summary["entropy_given_0_bytes"] > summary["entropy_given_1_bytes"] > 0
-  assert summary["wire_bytes_per_step"] < summary["fp32_allreduce_bytes_per_step"]
-  # The HLO also counts the metrics' means.
-  assert summary["hlo_wire_bytes_per_step"] >= summary["wire_bytes_per_step"]
+  keys = ["learning_rate", "tokens_per_second"]
+  if config.parallelism == "fsdp":  # Its collectives are autodiff's: only the HLO counts them.
+    assert summary["wire_bytes_per_step"] is None and summary["hlo_wire_bytes_per_step"] > 0
+  else:
+    assert summary["wire_bytes_per_step"] < summary["fp32_allreduce_bytes_per_step"]
+    # The HLO also counts the metrics' means.
+    assert summary["hlo_wire_bytes_per_step"] >= summary["wire_bytes_per_step"]
+    keys += ["wire_bytes", "compression_ratio"]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   train_records = [r for r in records if "loss" in r]
   assert [r["step"] for r in train_records] == list(range(1, config.num_train_steps + 1))
-  for key in ("learning_rate", "tokens_per_second", "wire_bytes", "compression_ratio"):
+  for key in keys:
     assert all(key in r for r in train_records), key
   assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
 
@@ -187,13 +256,15 @@ def _records_without_timings(workdir):
 
 
 def test_a_resumed_run_equals_an_uninterrupted_run(runs):
-  _, (uninterrupted, summary), (interrupted, resumed_summary) = runs
+  config, (uninterrupted, summary), (interrupted, resumed_summary) = runs
   assert resumed_summary["first_step"] == 4
   assert resumed_summary["eval_loss"] == summary["eval_loss"]
   final, resumed = _checkpoint(uninterrupted, 6), _checkpoint(interrupted, 6)
   assert jax.tree.structure(resumed) == jax.tree.structure(final)
   for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(final), strict=True):
     np.testing.assert_array_equal(got, expected)
-  residuals = final["opt_state"][0]["local_error"]
-  assert residuals and all(np.asarray(r).any() for r in residuals)  # They came back.
+  # The per-device residuals came back.
+  residuals = (jax.tree.leaves(final["worker_error"]) if config.optimizer == "onebit_adam"
+               else final["opt_state"][0]["local_error"])
+  assert residuals and all(np.asarray(r).any() for r in residuals)
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)

@@ -43,7 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.powersgd_start_iter = 10  # powersgd: exact float32 steps first.
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
-  config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
+  config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), or fsdp.
+  # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
+  # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).
+  config.fsdp_weights = "int8"
 
   config.log_every_steps = 50
   config.eval_every_steps = 500  # And at the end.
