@@ -6,5 +6,7 @@ python3.11 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[test]"
 .venv/bin/ruff check qsgd_jax tests benchmarks examples
-# pytest exits 5 when it collected no tests: that is a failure here, as any non-zero code is.
-.venv/bin/python -m pytest "$@"
+# One worker a core (pytest-xdist), each test file whole on one worker: the files that start
+# real processes or network namespaces keep their own order. pytest exits 5 when it collected
+# no tests: that is a failure here, as any non-zero code is.
+.venv/bin/python -m pytest --numprocesses=auto --dist=loadfile "$@"

@@ -79,28 +79,55 @@ def compared(runs: list[dict]) -> list[dict]:
                  for name, baseline in found.items()} for run in runs]
 
 
+def bytes_per_step(run: dict) -> float:
+  """What one device sent in the run's last step: the optimizer's account, else the HLO's."""
+  wire = run["wire_bytes_per_step"]
+  return run["hlo_wire_bytes_per_step"] if wire is None else wire
+
+
 def table(runs: list[dict]) -> str:
   """A markdown table, one row a mode; bytes are what one device sends a step.
 
-  "vs fp32 bytes" is the fp32 run's HLO bytes over the row's, or without an
-  fp32 run, a float32 all-reduce of the gradients over the row's.
+  "bytes/step" is what the last step sent by the optimizer's own account
+  (:func:`qsgd_jax.compression_stats`; after a compressed Adam's freeze, its
+  1-bit step), else the compiled step's HLO bytes (which count both branches
+  of a compressed Adam's switch). "vs fp32 bytes" is the fp32 run's bytes a
+  step over the row's, or without an fp32 run, a float32 all-reduce of the
+  gradients over the row's. A compressed Adam's mode says where it froze.
   """
   rows = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
   fp32 = baselines(runs).get("fp32")
   for run in runs:
-    fp32_bytes = (fp32["hlo_wire_bytes_per_step"] if fp32 is not None
+    fp32_bytes = (bytes_per_step(fp32) if fp32 is not None
                   else run["fp32_allreduce_bytes_per_step"])
     differences = [run.get(f"eval_loss_minus_{name}") for name in BASELINES]
-    wire = run["wire_bytes_per_step"]
+    froze = run.get("freeze_step")
+    mode = run["mode"] + ("" if froze is None else f" (froze at {froze})")
     rows.append(
-        f"| {run['mode']} | {run['eval_loss']:.4f} "
+        f"| {mode} | {run['eval_loss']:.4f} "
         + "".join("| - " if d is None else f"| {d:+.4f} " for d in differences)
-        + f"| {run['final_train_loss']:.4f} | {'-' if wire is None else f'{wire:,.0f}'} "
-        f"| {fp32_bytes / run['hlo_wire_bytes_per_step']:.1f}x "
+        + f"| {run['final_train_loss']:.4f} | {bytes_per_step(run):,.0f} "
+        f"| {fp32_bytes / bytes_per_step(run):.1f}x "
         f"| {run['hlo_wire_bytes_per_step']:,.0f} | {run['tokens_per_second']:,.0f} "
         f"| {run['train_seconds']:.0f} |"
     )
   return "\n".join(rows) + "\n"
+
+
+def bytes_sent(records: list[dict], steps: list[int], default: float) -> list[float]:
+  """Bytes one device sent up to each of ``steps``, from the logged bytes a step.
+
+  Each logged training record's ``wire_bytes`` stands for the steps since the
+  previous record (a compressed Adam's bytes fall at its freeze); runs that
+  log none send ``default`` every step.
+  """
+  logged = [(r["step"], r["wire_bytes"]) for r in records
+            if "loss" in r and r.get("wire_bytes") is not None]
+  totals, previous, sent = {}, 0, 0.0
+  for step, wire in logged:
+    sent += (step - previous) * wire
+    totals[step], previous = sent, step
+  return [totals.get(step, step * default) for step in steps]
 
 
 def plot(workdir: pathlib.Path, runs: list[dict]) -> pathlib.Path:
@@ -117,10 +144,10 @@ def plot(workdir: pathlib.Path, runs: list[dict]) -> pathlib.Path:
     steps = [r["step"] for r in evals]
     losses = [r["eval_loss"] for r in evals]
     steps_axes.plot(steps, losses, marker="o", label=run["mode"])
-    megabytes = [step * run["hlo_wire_bytes_per_step"] / 1e6 for step in steps]
+    megabytes = [sent / 1e6 for sent in bytes_sent(records, steps, bytes_per_step(run))]
     bytes_axes.plot(megabytes, losses, marker="o", label=run["mode"])
   steps_axes.set(xlabel="step", ylabel="held-out loss (nats/byte)")
-  bytes_axes.set(xlabel="megabytes sent by one device (every collective of the step)",
+  bytes_axes.set(xlabel="megabytes sent by one device",
                  ylabel="held-out loss (nats/byte)", xscale="log")
   for axes in (steps_axes, bytes_axes):
     axes.grid(alpha=0.3)
