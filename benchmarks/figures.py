@@ -22,14 +22,15 @@ left out):
   ``max`` over ``runs`` seeds), and the accuracy-against-bits figure with
   ``modes[MODE].runs[0].compression_ratio``.
 * ``lm_comparison.json`` (``examples/lm/compare.py``'s ``comparison.json``,
-  copied): a headline column, ``runs[i].eval_loss_minus_fp32`` of the run whose
-  ``mode`` is the row's.
+  copied): the README's second table, the language model with Adam(W): each run's
+  ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``wire_bytes_per_step``
+  and ``freeze_step``.
 * ``compressed_adam_bytes.json`` (``python benchmarks/compressed_adam_bytes.py``):
   bytes a step before and after the compressed Adams' freeze,
   ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
 
-Writes ``benchmarks/results/headline.md``, the table between the markers in
-``README.md``, and ``benchmarks/results/figures/*.png``.
+Writes ``benchmarks/results/headline.md`` and ``headline_lm.md``, the tables
+between their markers in ``README.md``, and ``benchmarks/results/figures/*.png``.
 """
 
 import argparse
@@ -43,6 +44,9 @@ RESULTS = _HERE / "results"
 README = _HERE.parent / "README.md"
 BEGIN = "<!-- The headline table: made by python benchmarks/figures.py from benchmarks/results. -->"
 END = "<!-- End of the headline table. -->"
+LM_BEGIN = ("<!-- The language-model table: made by python benchmarks/figures.py from"
+            " benchmarks/results. -->")
+LM_END = "<!-- End of the language-model table. -->"
 HEADLINE_RATES = ("100 Mbit/s", "1 Gbit/s")
 TREE = "resnet50"
 BASELINES = ("fp32", "bf16")
@@ -96,13 +100,6 @@ def headline_rows(results: pathlib.Path = RESULTS) -> tuple[list[str], dict[str,
       spread = result["eval_accuracy"]
       rows.setdefault(mode, {})[column] = (
           f"{spread['mean']:.1%} ({spread['min']:.1%}-{spread['max']:.1%})")
-  lm = _load(results / "lm_comparison.json")
-  if lm is not None:
-    column = "LM held-out loss, vs fp32"
-    columns.append(column)
-    for run in lm["runs"]:
-      rows.setdefault(run["mode"], {})[column] = (
-          f"{run['eval_loss']:.3f} ({run.get('eval_loss_minus_fp32', math.nan):+.3f})")
   return columns, rows
 
 
@@ -139,15 +136,60 @@ def headline_table(results: pathlib.Path = RESULTS) -> str:
     notes.append(
         "Accuracy: the digits example (`examples/imagenet`, ResNet-8, 8 simulated devices),"
         " mean over seeds and, in brackets, the range; one held-out digit is 0.28%.")
-  if any(c.startswith("LM") for c in columns):
-    notes.append("LM: `examples/lm`, held-out loss in nats a byte, and its difference from"
-                 " float32's.")
   return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
-def readme_with(table: str, readme: str) -> str:
-  start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-  return readme[:start] + "\n" + table + readme[end:]
+def _versus(values: dict, value: float, larger_is_better: bool = False) -> str:
+  """``(a / b)``: how many times ``value`` improves on the fp32 and bf16 entries of ``values``."""
+  def times(baseline):
+    if baseline not in values or not value:
+      return "-"
+    ratio = value / values[baseline] if larger_is_better else values[baseline] / value
+    return f"{ratio:.1f}x"
+  return f"({times('fp32')} / {times('bf16')})"
+
+
+def lm_table(results: pathlib.Path = RESULTS) -> str:
+  """The README's table of the language model trained with Adam(W), or ``""`` without results.
+
+  From ``lm_comparison.json`` (``examples/lm/compare.py``'s ``comparison.json``): a
+  row a run, its held-out loss against the ``fp32`` and ``bf16`` runs', and the bytes a
+  device sent in the run's last step (a compressed Adam's after its freeze).
+  """
+  lm = _load(results / "lm_comparison.json")
+  if lm is None:
+    return ""
+  runs = {run["mode"]: run for run in lm["runs"]}
+  sent = {mode: run["wire_bytes_per_step"] or run["hlo_wire_bytes_per_step"]
+          for mode, run in runs.items()}
+  lines = ["| mode | held-out loss (vs fp32 / bf16) "
+           "| bytes a device sends a step (vs fp32 / bf16) |", "|---|---|---|"]
+  for mode, run in runs.items():
+    froze = run.get("freeze_step")
+    name = mode if froze is None else f"{mode} (froze at step {froze})"
+    differences = " / ".join(f"{run[f'eval_loss_minus_{b}']:+.3f}"
+                             if f"eval_loss_minus_{b}" in run else "-" for b in BASELINES)
+    lines.append(f"| {name} | {run['eval_loss']:.3f} ({differences}) "
+                 f"| {sent[mode] / 1e3:,.0f} kB {_versus(sent, sent[mode])} |")
+  some, config = next(iter(runs.values())), lm["config"]
+  note = (
+      f"`examples/lm`: a byte-level GPT of {some['num_params']:,} parameters,"
+      f" {some['steps']} steps, peak learning rate {config['learning_rate']:g}, each device's"
+      f" gradient clipped at {config['grad_clip_norm']:g} before the compressed Adams (the"
+      f" average's before AdamW), {some['num_devices']} simulated devices; held-out loss in nats"
+      " a byte, one seed. A compressed Adam's bytes are those of its steps after the freeze.")
+  return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def readme_with(table: str, readme: str, begin: str = BEGIN, end: str = END) -> str:
+  start, stop = readme.index(begin) + len(begin), readme.index(end)
+  return readme[:start] + "\n" + table + readme[stop:]
+
+
+def readme_with_tables(readme: str, results: pathlib.Path) -> str:
+  """``readme`` with both tables as the results files give them."""
+  readme = readme_with(headline_table(results), readme)
+  return readme_with(lm_table(results), readme, LM_BEGIN, LM_END)
 
 
 # Figures ---------------------------------------------------------------------
@@ -288,17 +330,18 @@ def main(argv=None) -> int:
   parser.add_argument("--check", action="store_true",
                       help="only compare README.md's table with the results files")
   args = parser.parse_args(argv)
-  table = headline_table(args.results)
   readme = args.readme.read_text()
   if args.check:
-    if readme_with(table, readme) != readme:
-      print(f"{args.readme}'s headline table is not what {args.results} says: run"
+    if readme_with_tables(readme, args.results) != readme:
+      print(f"{args.readme}'s tables are not what {args.results} says: run"
             " python benchmarks/figures.py", file=sys.stderr)
       return 1
     return 0
+  table, lm = headline_table(args.results), lm_table(args.results)
   (args.results / "headline.md").write_text(table)
-  args.readme.write_text(readme_with(table, readme))
-  print(table)
+  (args.results / "headline_lm.md").write_text(lm)
+  args.readme.write_text(readme_with_tables(readme, args.results))
+  print(table + "\n" + lm)
   for plot in PLOTS:
     path = plot(args.results, args.results / "figures")
     if path is not None:

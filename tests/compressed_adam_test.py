@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import sign_exchange
+from qsgd_jax._src import compressed_adam, sign_exchange
 
 N = 8
 AXIS = "batch"
@@ -274,6 +274,29 @@ def test_auto_freeze_chooses_a_step_once_the_variance_settles():
   # Not chosen before; kept once chosen; then the steps send 1-bit momenta.
   assert counts[:chosen - 1] == [2**31 - 1] * (chosen - 1) and set(counts[chosen - 1:]) == {
       chosen}
+
+
+def _decisions(rule, statistics):
+  history, decisions = rule.initial(len(statistics[0])), []
+  for updates_seen, statistic in enumerate(statistics, 1):
+    history, settled = rule.record(history, jnp.int32(updates_seen),
+                                   jnp.asarray(statistic, jnp.float32))
+    decisions.append(bool(settled))
+  return decisions
+
+
+def test_auto_freeze_reads_the_leaves_shares_not_the_norm():
+  rule = compressed_adam.AutoFreeze(window=4, tolerance=0.05)
+  # Clipped gradients: the norm stands still while the variance moves between the leaves.
+  moving = [[1.0 - 0.15 * t, 0.15 * t] for t in range(6)]
+  assert not any(_decisions(rule, moving))
+  # The shares settled while the norm still falls (as the learning rate decays): freeze as
+  # soon as the window is full.
+  settled = [[0.7 * 0.9**t, 0.3 * 0.9**t] for t in range(6)]
+  assert _decisions(rule, settled) == [False, False, False, True, True, True]
+  # One leaf: its share is always 1, so the rule reads the drift of its norm.
+  assert not any(_decisions(rule, [[0.9**t] for t in range(6)]))
+  assert _decisions(rule, [[1.0], [1.01], [0.99], [1.0]])[-1]
 
 
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])

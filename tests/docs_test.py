@@ -1,14 +1,18 @@
 """What the documentation promises that needs no build: every public name in the API reference
-with an example, and the README's headline table what the results files say.
+with an example that runs, and the README's headline table what the results files say.
 
-``bash scripts/docs.sh`` runs the examples and the guides, and checks every cross-reference.
+``bash scripts/docs.sh`` also executes the guides and checks every cross-reference (minutes: more
+than the test suite's budget).
 """
 
+import doctest
 import importlib.util
 import inspect
 import pathlib
 import re
 import types
+
+import pytest
 
 import qsgd_jax
 
@@ -52,3 +56,21 @@ def test_the_readme_table_is_what_the_results_files_say():
   figures = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(figures)
   assert figures.main(["--check"]) == 0, "run python benchmarks/figures.py"
+
+
+def _docstring_examples() -> list[doctest.DocTest]:
+  """The ``>>>`` examples of every public name's docstring (a class's methods' too)."""
+  finder, found = doctest.DocTestFinder(), {}
+  for name, value in _public_objects():
+    for test in finder.find(value, name, globs={}):
+      if test.examples and test.name not in found:
+        found[test.name] = test
+  return sorted(found.values(), key=lambda test: test.name)
+
+
+@pytest.mark.parametrize("test", _docstring_examples(), ids=lambda test: test.name)
+def test_docstring_example_runs(test):
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  output = []
+  result = runner.run(test, out=output.append)
+  assert result.failed == 0, "".join(output)

@@ -32,8 +32,9 @@ class ScaleByOneBitAdamState(NamedTuple):
     freeze_count: ``int32[]``, the count from which the variance is frozen:
       ``freeze_step``, or with ``"auto"`` the count it chose (``2**31 - 1``
       until then).
-    variance_history: ``float32[window]`` with ``"auto"``: the last
-      ``||v||_1`` values the rule reads (``()`` otherwise).
+    variance_history: ``float32[window, leaves]`` with ``"auto"``: the last
+      ``||v_i||_1`` of each compressed leaf, which the rule reads (``()``
+      otherwise).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
 
   Examples:
@@ -68,7 +69,7 @@ def scale_by_onebit_adam(
     compression_mask=None,
     axis_size: int | dict[str, int] | None = None,
     auto_freeze_window: int = 20,
-    auto_freeze_tolerance: float = 0.05,
+    auto_freeze_tolerance: float = 0.025,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam's scaling of each device's local gradients, averaged as DeepSpeed's 1-bit Adam does.
 
@@ -111,10 +112,13 @@ def scale_by_onebit_adam(
 
   ``freeze_step="auto"`` freezes the variance once it has stopped moving:
   after the first update at which, over the last ``auto_freeze_window``
-  values of :math:`\|\hat v\|_1` over the compressed leaves (the variance
-  norm the 1-bit Adam paper watches settle), the means of the newer and the
-  older half differ by at most ``auto_freeze_tolerance`` of their mean. Every
-  device holds the same variance, so every device decides alike;
+  updates, each compressed leaf's share of the variance,
+  :math:`\|v_i\|_1 / \sum_j \|v_j\|_1`, has moved by at most
+  ``auto_freeze_tolerance`` in total variation between the older and the
+  newer half of the window (shares: unmoved by gradient clipping or the
+  learning rate's schedule, which hold the variance's norm still early on;
+  with one compressed leaf, the relative drift of its norm). Every device
+  holds the same variance, so every device decides alike;
   :attr:`ScaleByOneBitAdamState.freeze_count` reports the count chosen.
 
   A NaN or inf in any device's gradient makes every device's updates NaN
@@ -144,7 +148,7 @@ def scale_by_onebit_adam(
     axis_size: the outer axis's size, for an ``init`` outside the mapped
       function (the error buffers' shapes depend on it).
     auto_freeze_window, auto_freeze_tolerance: the ``"auto"`` rule's window
-      (updates, at least 2) and the relative drift it accepts.
+      (updates, at least 2) and the drift of the shares it accepts.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -183,7 +187,7 @@ def scale_by_onebit_adam(
         worker_error=worker_error,
         server_error=server_error,
         freeze_count=common.initial_freeze_count(freeze_step),
-        variance_history=auto.initial() if auto else (),
+        variance_history=auto.initial(len(leaves.compressed)) if auto else (),
         stats=stats.empty(),
     )
 
@@ -297,7 +301,7 @@ def onebit_adam(
     compression_mask=None,
     axis_size: int | dict[str, int] | None = None,
     auto_freeze_window: int = 20,
-    auto_freeze_tolerance: float = 0.05,
+    auto_freeze_tolerance: float = 0.025,
 ) -> optax.GradientTransformationExtraArgs:
   r"""1-bit Adam: AdamW whose gradient average is 1-bit after a float32 warm-up.
 

@@ -40,7 +40,7 @@ class ZeroOneAdamState(NamedTuple):
     freeze_count: ``int32[]``, the count from which the variance is frozen
       (``var_freeze_step + 1``; with ``"auto"``, the count chosen, ``2**31 -
       1`` until then).
-    variance_history: ``float32[window]`` with ``"auto"``, else ``()``.
+    variance_history: ``float32[window, leaves]`` with ``"auto"``, else ``()``.
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
 
   Examples:
@@ -88,7 +88,7 @@ def zero_one_adam(
     compression_mask=None,
     axis_size: int | dict[str, int] | None = None,
     auto_freeze_window: int = 8,
-    auto_freeze_tolerance: float = 0.05,
+    auto_freeze_tolerance: float = 0.025,
 ) -> optax.GradientTransformationExtraArgs:
   r"""0/1 Adam: AdamW with 1-bit averages, a variance updated ever more rarely, then local steps.
 
@@ -228,7 +228,7 @@ def zero_one_adam(
         learning_rate_sum=jnp.zeros((), jnp.float32),
         freeze_count=(common.initial_freeze_count(var_freeze_step) + 1
                       if var_freeze_step != "auto" else common.initial_freeze_count("auto")),
-        variance_history=auto.initial() if auto else (),
+        variance_history=auto.initial(len(leaves.compressed)) if auto else (),
         stats=stats.empty(),
     )
 
