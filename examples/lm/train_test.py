@@ -1,7 +1,7 @@
 """Tests of the language-model example: the text, steps in each parallelism, a resumed run.
 
 One small config throughout; each test's compiled step is reused where the
-config is the same (``train.programs``), so the file compiles five steps.
+config is the same (``train.programs``): each distinct config compiles once.
 """
 
 import doctest
@@ -23,7 +23,10 @@ from examples.lm.configs import smoke
 RUN_CASE = ("qsgd4_ef", "shard_map")
 FSDP_RUN_CASE = ("fp32", "fsdp", "onebit_adam")
 FSDP_CASE = ("qsgd4", "fsdp")
-STEP_CASES = (RUN_CASE, ("bf16", "pmap"), ("onebit", "jit"))
+# (average, parallelism, optimizer): each average and optimizer once, each parallelism.
+STEP_CASES = (RUN_CASE + ("adamw",), ("bf16", "pmap", "adamw"), ("onebit", "jit", "adamw"),
+              ("powersgd", "shard_map", "adamw"), ("fp32", "shard_map", "onebit_adam"),
+              ("fp32", "pmap", "zero_one_adam"))
 TIMINGS = ("steps_per_second", "tokens_per_second", "train_seconds", "wall_seconds")
 
 
@@ -124,9 +127,11 @@ def _device_copies(tree) -> list[list[np.ndarray]]:
           for leaf in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("average, parallelism", STEP_CASES)
-def test_steps_on_a_repeated_batch_lower_the_loss_and_keep_replicas_equal(average, parallelism):
-  config = _config(average, parallelism)
+@pytest.mark.parametrize("average, parallelism, optimizer", STEP_CASES)
+def test_steps_on_a_repeated_batch_lower_the_loss_and_keep_replicas_equal(average, parallelism,
+                                                                         optimizer):
+  """Five steps: past the compressed Adams' freeze (step 3) and PowerSGD's warm-up (2)."""
+  config = _config(average, parallelism, optimizer)
   model, _, _, mapped = train.programs(config)
   state = mapped.init(train.initialized(jax.random.key(0), model))
   batch = mapped.put_batch(next(input_pipeline.train_batches(config)))

@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 6
   config.warmup_steps = 2
   config.freeze_step = "3"
+  config.powersgd_start_iter = 2
   config.log_every_steps = 2
   config.eval_every_steps = 3
   config.num_eval_batches = 2
