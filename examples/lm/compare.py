@@ -40,6 +40,9 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_string("results", None, "Also write the table, JSON and plot to PREFIX.md, .json"
                     " and .png (e.g. benchmarks/results/lm_comparison).")
+flags.DEFINE_bool("reuse_runs", False, "Read a mode's DIR/<mode>/summary.json and metrics.jsonl"
+                  " if they exist instead of training it again (a comparison that was"
+                  " interrupted, or runs of main.py with this config into DIR/<mode>).")
 flags.mark_flags_as_required(["workdir"])
 
 BASELINES = ("fp32", "bf16")
@@ -79,6 +82,15 @@ def compared(runs: list[dict]) -> list[dict]:
   found = baselines(runs)
   return [run | {f"eval_loss_minus_{name}": run["eval_loss"] - baseline["eval_loss"]
                  for name, baseline in found.items()} for run in runs]
+
+
+def _summary(run_dir: pathlib.Path) -> dict | None:
+  """With ``--reuse_runs``, a finished run's summary in ``run_dir``; else ``None`` (train it)."""
+  path = run_dir / "summary.json"
+  if not (FLAGS.reuse_runs and path.exists() and (run_dir / "metrics.jsonl").exists()):
+    return None
+  logging.warning("--reuse_runs: %s is read, not trained again", run_dir)
+  return json.loads(path.read_text())
 
 
 def bytes_per_step(run: dict) -> float:
@@ -178,7 +190,10 @@ def main(argv):
     config.checkpoint_every_steps = 0  # Every run starts afresh, whatever the workdir holds.
     configs.append(config)
   start = time.perf_counter()
-  runs = [{"mode": mode, **train.train_and_evaluate(config, str(workdir / mode))}
+  summaries = {mode: _summary(workdir / mode) for mode in FLAGS.modes}
+  reused = [mode for mode, summary in summaries.items() if summary is not None]
+  runs = [{"mode": mode, **(summaries[mode] or
+                            train.train_and_evaluate(config, str(workdir / mode)))}
           for mode, config in zip(FLAGS.modes, configs, strict=True)]
   wall = time.perf_counter() - start
   runs = compared(runs)
@@ -188,7 +203,10 @@ def main(argv):
       f"{config.num_layers} layers of width {config.width}, context {config.context_length}, "
       f"{runs[0]['num_params']:,} parameters; {config.parallelism} over {jax.device_count()} "
       f"{jax.default_backend()} devices, batch {config.batch_size} x {config.context_length} "
-      f"bytes, {runs[0]['steps']} steps; {wall:.0f} s for all modes (compilation included).\n\n"
+      f"bytes, {runs[0]['steps']} steps; {wall:.0f} s for "
+      + ("all modes" if not reused else "the modes trained now") + " (compilation included)"
+      + (f"; read from earlier runs of this config: {', '.join(reused)}" if reused else "")
+      + ".\n\n"
       f"Held-out loss in nats a byte; the held-out text's entropy given 0, 1 and 2 bytes of "
       f"context: {entropies}. Bytes are what one device sends a step: the gradients' average "
       "as the optimizer reports it for the last step (a compressed Adam's after its freeze), "
