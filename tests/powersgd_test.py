@@ -7,6 +7,7 @@ Compiling for simulated devices is the slow part: the trajectories are cached
 import doctest
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -389,6 +390,57 @@ def test_wire_bytes_of_the_compiled_step_are_the_factors():
   total = sum(math.prod(s) for s in _SHAPES.values())
   np.testing.assert_allclose(float(stats.compression_ratio[0]), total / (factors + exact),
                              rtol=1e-6)
+
+
+def _batched_lapack_qr_calls(hlo_text):
+  """Operand shapes of the ``geqrf`` custom calls in ``hlo_text`` that factor several matrices."""
+  shapes = re.findall(r"= \(f32\[([\d,]+)\][^\n]*custom_call_target=\"lapack_sgeqrf_ffi\"",
+                      hlo_text)
+  return [s for s in shapes if math.prod(int(d) for d in s.split(",")[:-2]) > 1]
+
+
+def test_qr_of_a_group_on_every_device_at_once_does_not_deadlock():
+  """Rank 16 with two (128, 512) leaves, one group: P and Q are QR'd as batches of two.
+
+  jaxlib's CPU QR split such a batch over XLA:CPU's intra-op pool and blocked its pool
+  thread until the pieces were done; with every device's QR blocked at once (the pool has
+  about one thread a device here), none was left to run them, and the first compressed step
+  hung in the rendezvous of the Q all-reduce. On CPU the matrices now go one at a time, to
+  the same Q bit for bit. All eight devices take part, under pmap and shard_map.
+  """
+  devices = jax.devices()
+  tx = qsgd_jax.powersgd(AXIS, rank=16, start_iter=2)
+  rng = np.random.default_rng(5)
+  grads = {name: rng.normal(size=(len(devices), 128, 512)).astype(np.float32) for name in "ab"}
+  init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices).lower(grads, init(grads))
+  compiled = update.compile()
+  assert not _batched_lapack_qr_calls(compiled.as_text())
+  state = init(grads)
+  for _ in range(3):  # The third is the first compressed step.
+    out, state = jax.block_until_ready(compiled(grads, state))
+  assert_replicas_identical(out)
+  mean = grads["a"].mean(axis=0)
+  p = np.asarray(state.p_memory[0])[0, 0]
+  np.testing.assert_allclose(out["a"][0], p @ p.T @ mean, rtol=1e-4, atol=1e-4)
+
+  mesh = jax.make_mesh((len(devices),), (AXIS,))
+  like = {name: jnp.zeros((128, 512)) for name in "ab"}
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, like), AXIS)
+  sharded_init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+  sharded_step = jax.jit(jax.shard_map(
+      lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s), mesh=mesh,
+      in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
+  sharded_state = sharded_init(like)
+  data = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
+  for _ in range(3):
+    sharded_out, sharded_state = jax.block_until_ready(sharded_step(data, sharded_state))
+  chex.assert_trees_all_close(host_arrays(sharded_out), jax.tree.map(lambda x: x[0], out),
+                              rtol=1e-5, atol=1e-6)
+
+  matrices = jnp.asarray(rng.normal(size=(3, 128, 16)), jnp.float32)
+  chex.assert_trees_all_equal(jax.jit(low_rank.orthogonalize, static_argnums=1)(matrices, 0.0),
+                              jnp.linalg.qr(matrices, mode="reduced")[0])
 
 
 def test_bfloat16_leaves_are_computed_in_float32_and_cast_back():

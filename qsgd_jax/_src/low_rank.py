@@ -148,10 +148,22 @@ def orthogonalize(matrices: jax.Array, epsilon: float) -> jax.Array:
   ``epsilon == 0`` becomes zeros: PyTorch divides it by zero and gets NaN
   there (its ``except ZeroDivisionError``, meant to write the zeros, never
   runs, as dividing tensors does not raise).
+
+  On CPU the QR takes the matrices one at a time (``jax.lax.map``), not as
+  one batch: jaxlib's batched LAPACK kernels (``geqrf``, ``orgqr``; jaxlib
+  0.10) split a large enough batch over XLA:CPU's intra-op thread pool and
+  block their own pool thread until the pieces are done. Under a collective
+  every device runs its QR at once, each on a pool thread, and a small host
+  has about one pool thread a device: with all of them blocked, none is left
+  to run the pieces, and the step deadlocks (XLA reports the next all-reduce
+  as stuck in its rendezvous). A matrix alone is run on the calling thread.
+  Q is the same to the bit, as LAPACK factors each matrix alone either way;
+  other platforms keep the batch.
   """
   rank = matrices.shape[-1]
   if rank > 2:
-    return jnp.linalg.qr(matrices, mode="reduced")[0]
+    return jax.lax.platform_dependent(
+        matrices, cpu=lambda x: jax.lax.map(_reduced_q, x), default=_reduced_q)
   columns = [matrices[..., i : i + 1] for i in range(rank)]
   for i in range(rank):
     norm = jnp.sqrt(jnp.sum(columns[i] * columns[i], axis=-2, keepdims=True))
@@ -164,3 +176,7 @@ def orthogonalize(matrices: jax.Array, epsilon: float) -> jax.Array:
       projection = jnp.sum(columns[i] * columns[j], axis=-2, keepdims=True)
       columns[j] = columns[j] - projection * columns[i]
   return jnp.concatenate(columns, axis=-1)
+
+
+def _reduced_q(matrices: jax.Array) -> jax.Array:
+  return jnp.linalg.qr(matrices, mode="reduced")[0]
