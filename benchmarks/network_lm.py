@@ -9,11 +9,12 @@ the same batches.
 
 Every mode trains the whole run (``--lm-steps``) at ``--lm-rate`` (1 Gbit/s),
 every step logged. Its training loss smoothed over :data:`SMOOTHING` steps
-(a trailing mean), against its training seconds (compilation and evaluation
-left out), gives the seconds it takes to reach the float32 run's final
-smoothed loss. A step's loss does not depend on the link, so at the other
-rates (``--lm-rates``) each mode trains ``--lm-short-steps`` steps only, half
-of them before its switch to compression, to time each kind of step it takes;
+(a trailing mean), against its training seconds (compilation, evaluation and
+step 1, whose first run sets up gloo's connections, left out), gives the
+seconds it takes to reach the float32 run's final smoothed loss. A step's
+loss does not depend on the link, so at the other rates (``--lm-rates``) each
+mode trains ``--lm-short-steps`` steps only, half of them before its switch
+to compression, to time each kind of step it takes;
 its seconds to the target there are derived: the steps the full run took to
 reach it, each timed as a step of its kind at that rate. A kind of step is
 what it sends (the records' ``wire_bytes``, what the step really sent: the
@@ -49,6 +50,7 @@ QUICK_STEPS = 40
 SHORT_STEPS = 20
 QUICK_SHORT_STEPS = 10
 SMOOTHING = 10  # Steps in the trailing mean of the training loss.
+FIRST_TIMED_STEP = 2  # Step 1's first run sets up gloo's connections: not timed, as compiling.
 PROCESSES = 2
 # The issue's targets at 1 Gbit/s: (mode, baseline, least speedup in seconds to fp32's loss).
 TARGETS = (("onebit_adam", "fp32", 3.0), ("onebit_adam", "bf16", 1.5))
@@ -124,20 +126,22 @@ def first_step_at_or_below(records: list[dict], loss: float,
 
 
 def seconds_until(records: list[dict], step: int) -> float:
-  """Training seconds up to the end of ``step``: the sum of the steps' times.
+  """Training seconds from the end of step 1 to the end of ``step``: the steps' times summed.
 
-  A record's time is its logging window's mean (``1 / steps_per_second``); at
-  the end of a window the sum is the record's ``train_seconds``.
+  A record's time is its logging window's mean (``1 / steps_per_second``).
+  Step 1 is left out, as compilation is: its first run also sets up gloo's
+  connections for each collective (seconds, for PowerSGD's and 0/1 Adam's).
   """
-  return sum(1 / r["steps_per_second"] for r in training_records(records) if r["step"] <= step)
+  return sum(1 / r["steps_per_second"] for r in training_records(records)
+             if FIRST_TIMED_STEP <= r["step"] <= step)
 
 
 def steady_from(records: list[dict]) -> int:
-  """The first step from which every step sends what the last does (at least step 2)."""
+  """The first step from which every step sends what the last does (step 2 at the earliest)."""
   steps = training_records(records)
   last = steps[-1].get("wire_bytes")
   changed = [r["step"] for r in steps if r.get("wire_bytes") != last]
-  return max(2, changed[-1] + 1 if changed else 1)
+  return max(FIRST_TIMED_STEP, changed[-1] + 1 if changed else 1)
 
 
 def seconds_per_step(records: list[dict]) -> float:
@@ -150,13 +154,13 @@ def seconds_per_step(records: list[dict]) -> float:
 def seconds_by_kind(records: list[dict]) -> dict[float | None, float]:
   """The median time of a step by what it sends (``wire_bytes``), step 1 left out."""
   kinds: dict[float | None, list[float]] = {}
-  for record in training_records(records)[1:]:
+  for record in training_records(records)[FIRST_TIMED_STEP - 1:]:
     kinds.setdefault(record.get("wire_bytes"), []).append(1 / record["steps_per_second"])
   return {sent: statistics.median(times) for sent, times in kinds.items()}
 
 
 def derived_seconds(records: list[dict], step: int, kinds: dict[float | None, float]) -> float:
-  """Seconds up to the end of ``step`` of ``records``' steps, each timed as its kind in ``kinds``.
+  """:func:`seconds_until` ``step``, each of ``records``' steps timed as its kind in ``kinds``.
 
   A kind ``kinds`` lacks is timed as the one whose bytes are nearest.
   """
@@ -165,7 +169,8 @@ def derived_seconds(records: list[dict], step: int, kinds: dict[float | None, fl
       return kinds[sent]
     return kinds[min(kinds, key=lambda known: abs((known or 0.0) - (sent or 0.0)))]
 
-  return sum(time_of(r.get("wire_bytes")) for r in training_records(records) if r["step"] <= step)
+  return sum(time_of(r.get("wire_bytes")) for r in training_records(records)
+             if FIRST_TIMED_STEP <= r["step"] <= step)
 
 
 # The runs -------------------------------------------------------------------
@@ -304,7 +309,8 @@ def table(report: dict, num_processes: int) -> str:
   lines += [
       "", "s/step is the median step time from the first step that sends what the last does"
       " (after the compressed Adams' freeze, PowerSGD's float32 start); MB/step sent is then,"
-      " the mean over the run. Training seconds leave out compilation and evaluation.", "",
+      " the mean over the run. Training seconds leave out compilation, evaluation and step 1"
+      " (whose first run sets up gloo's connections).", "",
       f"### Seconds to the target by rate: {full_rate} measured, the others derived", "",
       "| rate | mode | s/step (measured) | training s to target | derived from step times "
       "| vs fp32 | vs bf16 |",
