@@ -14,13 +14,13 @@ step 1, whose first run sets up gloo's connections, left out), gives the
 seconds it takes to reach the float32 run's final smoothed loss. A step's
 loss does not depend on the link, so at the other rates (``--lm-rates``) each
 mode trains ``--lm-short-steps`` steps only, half of them before its switch
-to compression, to time each kind of step it takes;
-its seconds to the target there are derived: the steps the full run took to
-reach it, each timed as a step of its kind at that rate. A kind of step is
-what it sends (the records' ``wire_bytes``, what the step really sent: the
-compressed Adams send float32 before their freeze and one bit after, 0/1
-Adam float32 variance steps among its 1-bit ones before the freeze, PowerSGD
-float32 for its first ``powersgd_start_iter`` steps). The same derivation from
+to compression, to time each kind of step it takes; its seconds to the
+target there are derived: the steps the full run took to reach it, each timed
+as a step of its kind at that rate. A kind of step is what it sends (the
+records' ``wire_bytes``, what the step really sent: the compressed Adams send
+float32 before their freeze and one bit after, 0/1 Adam float32 variance
+steps among its 1-bit ones before the freeze, PowerSGD float32 for its first
+``powersgd_start_iter`` steps). The same derivation from
 the full run's own step times is given beside its measurement, as a check.
 """
 
@@ -45,9 +45,9 @@ QUICK_MODES = ("fp32", "onebit_adam")
 RATE = "1 Gbit/s"
 OTHER_RATES = ("10 Gbit/s", "100 Mbit/s")
 QUICK_OTHER_RATES = ("10 Gbit/s",)
-STEPS = 250
+STEPS = 200
 QUICK_STEPS = 40
-SHORT_STEPS = 20
+SHORT_STEPS = 16
 QUICK_SHORT_STEPS = 10
 SMOOTHING = 10  # Steps in the trailing mean of the training loss.
 FIRST_TIMED_STEP = 2  # Step 1's first run sets up gloo's connections: not timed, as compiling.

@@ -25,17 +25,17 @@ from examples.lm.configs import small as small_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """250 steps of a 2-layer, 512-wide model on 2 sequences of 64 bytes a step."""
+  """200 steps of a 2-layer, 512-wide model on 2 sequences of 64 bytes a step."""
   config = small_lib.get_config()
   config.num_layers = 2
   config.width = 512
   config.num_heads = 8
   config.batch_size = 2  # One window a device, with 2 processes of one device each.
-  config.num_train_steps = 250
-  config.warmup_steps = 25
-  config.freeze_step = "50"  # A fifth of training, as small.py's.
+  config.num_train_steps = 200
+  config.warmup_steps = 20
+  config.freeze_step = "40"  # A fifth of training, as small.py's.
   config.log_every_steps = 5
-  config.eval_every_steps = 250
+  config.eval_every_steps = 200
   config.num_eval_batches = 4
   config.checkpoint_every_steps = 0
   return config
