@@ -61,6 +61,17 @@ processes at 100 Mbit/s and 1 Gbit/s a node: the time a training step takes
 with float32, bfloat16 and compressed gathers and reduce-scatters, and 1-bit
 Adam under FSDP.
 
+**Part 5, the language model data-parallel, to float32's final loss**
+(``network_lm.py``, ``--parts lm``): ``examples/lm`` on
+``configs/network.py``, whose float32 all-reduce is 0.21 s on the wire of a
+0.48 s step at 1 Gbit/s, on ``--lm-processes`` processes (2, one a core) with AdamW on
+float32, bfloat16 and PowerSGD averages, 1-bit Adam and 0/1 Adam (their
+freeze at a fifth of the run). Every mode trains the whole run at 1 Gbit/s a
+node: the training seconds until its smoothed training loss reaches the
+float32 run's final one, measured; at 10 Gbit/s and 100 Mbit/s short runs
+time each kind of step, and the seconds to that loss are derived from the
+1 Gbit/s run's steps.
+
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
 machine's kernel rates (``compressor_throughput.py``'s JSON), and prints the
@@ -68,19 +79,21 @@ predictions beside the measurements with what each refinement corrects.
 
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
 ``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
-for Part 4 alone).
+for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone).
 
 Usage (as root)::
 
-  python benchmarks/network.py                   # all three parts, 4 processes
+  python benchmarks/network.py                   # every part, 4 processes (Part 5: 2)
   python benchmarks/network.py --quick           # small trees, few modes
   python benchmarks/network.py --processes 8 --parts collectives
   python benchmarks/network.py --processes 2 --parts lm_fsdp
+  python benchmarks/network.py --parts lm        # Part 5: 2 processes, 23 minutes here
 """
 
 import argparse
 import contextlib
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -102,10 +115,11 @@ sys.path[:0] = [str(_ROOT), str(_HERE)]
 
 import cost_model  # noqa: E402
 import network_fsdp  # noqa: E402
+import network_lm  # noqa: E402
 import network_worker  # noqa: E402
 
 NAMESPACE = "qsgd_jax_network"
-PARTS = ("collectives", "training", "cost_model", "lm_fsdp")
+PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
     "100 Mbit/s": 100e6,
@@ -250,12 +264,17 @@ class Launcher:
     self.namespace = namespace
     self.num_processes = num_processes
     self.timeout = timeout
-    self.launches = 0
+    self._ports = itertools.count(FIRST_PORT + 1)
+
+  def with_processes(self, num_processes: int) -> "Launcher":
+    """A launcher of ``num_processes`` processes in the same namespace, drawing the same ports."""
+    launcher = Launcher(self.namespace, num_processes, self.timeout)
+    launcher._ports = self._ports
+    return launcher
 
   def coordinator_address(self) -> str:
     """A fresh port each launch: in the namespace nothing else listens."""
-    self.launches += 1
-    port = FIRST_PORT + self.launches if self.namespace else _free_port()
+    port = next(self._ports) if self.namespace else _free_port()
     return f"127.0.0.1:{port}"
 
   def run(self, command_for, logs: pathlib.Path) -> float:
@@ -657,11 +676,18 @@ def parse_args(argv=None):
                       help="compressor_throughput.py's output, for the cost model (default:"
                            " the one in --out for 4,194,304 elements, else 1,048,576)")
   network_fsdp.add_arguments(parser)
+  network_lm.add_arguments(parser)
   args = parser.parse_args(argv)
   for rate in args.fsdp_rates or ():
     if rate not in RATES:
       parser.error(f"--fsdp-rates: {rate!r} is not one of {tuple(RATES)}")
   network_fsdp.resolve_arguments(args)
+  try:
+    network_lm.resolve_arguments(args, RATES)
+  except ValueError as error:
+    parser.error(str(error))
+  if args.parts == ["lm"]:  # The header and the files' names count the part's processes.
+    args.processes = args.lm_processes
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
   args.rates = tuple(args.rates or (QUICK_RATES if args.quick else tuple(RATES)))
@@ -712,7 +738,7 @@ def main(argv=None) -> None:
     signal.signal(signum, _raise_on_signal)
   suffix = (f"{args.processes}proc" + ("_quick" if args.quick else "")
             + ("_hugetlb" if _hugetlb() else "")
-            + ("_lm_fsdp" if args.parts == ["lm_fsdp"] else ""))
+            + (f"_{args.parts[0]}" if args.parts in (["lm_fsdp"], ["lm"]) else ""))
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
@@ -749,6 +775,14 @@ def main(argv=None) -> None:
       sections.append(_section(
           "Part 4: the language model under FSDP",
           network_fsdp.table(report["lm_fsdp"], args.processes, RATES)))
+    if "lm" in args.parts:
+      _log(f"Part 5: {args.lm_modes}, {args.lm_steps} steps at {args.lm_rate} a node,"
+           f" {args.lm_short_steps} at {args.lm_rates}")
+      report["lm"] = network_lm.run(launcher.with_processes(args.lm_processes), args, work,
+                                    RATES, _log)
+      sections.append(_section(
+          "Part 5: the language model, data-parallel, to float32's final loss",
+          network_lm.table(report["lm"], args.lm_processes)))
   if namespace is not None and namespace.exists():
     raise RuntimeError(f"network namespace {namespace.name} still exists after the run")
   if "cost_model" in args.parts and "collectives" in report:

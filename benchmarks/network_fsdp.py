@@ -13,10 +13,10 @@ for 1-bit Adam both branches of its switch, of which a step runs one: the
 1-bit step's are given apart).
 """
 
-import json
 import pathlib
 import statistics
-import sys
+
+import network_lm
 
 CONFIG = "examples/lm/configs/small.py"
 # name: (what travels, the example's flags).
@@ -85,21 +85,13 @@ def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
     results[rate] = {}
     for mode in args.fsdp_modes:
       workdir = work / "lm_fsdp" / rate.replace(" ", "_").replace("/", "_") / mode
-      address = launcher.coordinator_address()
       flags = [*MODES[mode][1], "--parallelism=fsdp", f"--config.num_train_steps={steps}",
                f"--config.freeze_step={freeze}", f"--config.log_every_steps={LOG_EVERY}",
                f"--config.eval_every_steps={steps}", "--config.num_eval_batches=1",
                "--config.checkpoint_every_steps=0"]
-
-      def command(process_id, workdir=workdir, address=address, flags=flags):
-        return [sys.executable, "-m", "examples.lm.main", f"--config={CONFIG}", *flags,
-                f"--workdir={workdir}", "--multihost", f"--coordinator_address={address}",
-                f"--num_processes={args.processes}", f"--process_id={process_id}"]
-
       log(f"lm_fsdp {mode} at {rate} ({args.processes} processes, {steps} steps)")
-      launch_seconds = launcher.run(command, workdir / "logs")
-      summary = json.loads((workdir / "summary.json").read_text())
-      records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+      launch_seconds, summary, records = network_lm.launch_example(launcher, CONFIG, flags,
+                                                                   workdir)
       after = max(LOG_EVERY, freeze) if mode == "onebit_adam" else LOG_EVERY
       results[rate][mode] = {
           "seconds_per_step": seconds_per_step(records, after),
