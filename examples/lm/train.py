@@ -586,7 +586,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           record["step"] = done - len(records) + offset + 1
           record["steps_per_second"] = len(records) / elapsed
           record["tokens_per_second"] = len(records) * tokens_per_step / elapsed
-          if "wire_bytes" in record:
+          if record.get("wire_bytes"):  # One device sends nothing: no ratio.
             record["compression_ratio"] = record["fp32_wire_bytes"] / record["wire_bytes"]
           if not math.isfinite(record.get("elias_wire_bytes", 0.0)):  # Not measured.
             del record["elias_wire_bytes"]
