@@ -25,6 +25,8 @@ left out):
   copied): the README's second table, the language model with Adam(W): each run's
   ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``wire_bytes_per_step``
   and ``freeze_step``.
+* ``network_2proc_lm.json`` (``python benchmarks/network.py --parts lm``): the
+  results page's table of seconds to float32's final loss, ``network_lm_table.md``.
 * ``compressed_adam_bytes.json`` (``python benchmarks/compressed_adam_bytes.py``):
   bytes a step before and after the compressed Adams' freeze,
   ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
@@ -179,6 +181,36 @@ def lm_table(results: pathlib.Path = RESULTS) -> str:
       f" average's before AdamW), {some['num_devices']} simulated devices; held-out loss in nats"
       " a byte, one seed. A compressed Adam's bytes are those of its steps after the freeze.")
   return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def network_lm_table(results: pathlib.Path = RESULTS) -> str:
+  """Seconds to float32's final loss on real processes (``network.py --parts lm``), or ``""``.
+
+  From ``network_2proc_lm.json``'s ``lm.modes[MODE]``: a step's seconds at the
+  rate trained in full (``lm.full_rate``), and each rate's ``seconds_to_target``
+  (``measured`` or derived) with its speedups over fp32 and bf16.
+  """
+  report = _load(results / "network_2proc_lm.json")
+  if report is None:
+    return ""
+  lm = report["lm"]
+  rates = list(next(iter(lm["modes"].values()))["rates"])
+  lines = ["| mode | s a step at " + lm["full_rate"] + " | "
+           + " | ".join(f"s to fp32's final loss at {rate} (vs fp32 / bf16)" for rate in rates)
+           + " |", "|---" * (len(rates) + 2) + "|"]
+  for mode, result in lm["modes"].items():
+    cells = []
+    for rate in rates:
+      entry = result["rates"][rate]
+      if entry.get("seconds_to_target") is None:
+        cells.append(f"not reached (+{result['gap_to_target']:.3f} nats at the end)")
+        continue
+      kind = "" if entry["measured"] else ", derived"
+      cells.append(f"{entry['seconds_to_target']:.1f} ({entry['speedup_vs_fp32']:.1f}x / "
+                   f"{entry['speedup_vs_bf16']:.1f}x{kind})")
+    lines.append(f"| {mode} | {result['rates'][lm['full_rate']]['seconds_per_step']:.3f} | "
+                 + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 def readme_with(table: str, readme: str, begin: str = BEGIN, end: str = END) -> str:
@@ -340,6 +372,7 @@ def main(argv=None) -> int:
   table, lm = headline_table(args.results), lm_table(args.results)
   (args.results / "headline.md").write_text(table)
   (args.results / "headline_lm.md").write_text(lm)
+  (args.results / "network_lm_table.md").write_text(network_lm_table(args.results))
   args.readme.write_text(readme_with_tables(readme, args.results))
   print(table + "\n" + lm)
   for plot in PLOTS:
