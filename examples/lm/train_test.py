@@ -30,18 +30,6 @@ STEP_CASES = (RUN_CASE + ("adamw",), ("bf16", "pmap", "adamw"), ("onebit", "jit"
 TIMINGS = ("steps_per_second", "tokens_per_second", "train_seconds", "wall_seconds")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compilation():
-  """Compiles this file's programs without most of XLA's optimizations, as JAX's own tests can.
-
-  The programs compute the same; compiling them takes a third less time.
-  """
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
-
-
 def _config(average: str, parallelism: str, optimizer: str = "adamw"):
   config = smoke.get_config()
   config.average = average
