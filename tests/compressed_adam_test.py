@@ -87,6 +87,9 @@ def _assert_close_to(p, reference, start, tolerance):
                                atol=tolerance * distance, rtol=0)
 
 
+# Its tolerance is float32 rounding of XLA's fused sums, which its other optimization levels
+# round differently.
+@pytest.mark.usefixtures("full_optimizations")
 def test_sign_exchange_is_deepspeeds_compressed_allreduce_with_its_errors():
   rng = np.random.default_rng(1)
   sizes = (1000, 37, 64)

@@ -58,18 +58,6 @@ def test_the_readme_table_is_what_the_results_files_say():
   assert figures.main(["--check"]) == 0, "run python benchmarks/figures.py"
 
 
-@pytest.fixture(scope="module")
-def fast_compilation():
-  """The examples' programs compiled without most of XLA's optimizations: the same results,
-  compiled in about a third less time."""
-  import jax
-
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
-
-
 def _docstring_examples() -> list[doctest.DocTest]:
   """The ``>>>`` examples of every public name's docstring (a class's methods' too)."""
   finder, found = doctest.DocTestFinder(), {}
@@ -81,7 +69,7 @@ def _docstring_examples() -> list[doctest.DocTest]:
 
 
 @pytest.mark.parametrize("test", _docstring_examples(), ids=lambda test: test.name)
-def test_docstring_example_runs(test, fast_compilation):
+def test_docstring_example_runs(test):
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   output = []
   result = runner.run(test, out=output.append)
