@@ -141,16 +141,6 @@ def headline_table(results: pathlib.Path = RESULTS) -> str:
   return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
-def _versus(values: dict, value: float, larger_is_better: bool = False) -> str:
-  """``(a / b)``: how many times ``value`` improves on the fp32 and bf16 entries of ``values``."""
-  def times(baseline):
-    if baseline not in values or not value:
-      return "-"
-    ratio = value / values[baseline] if larger_is_better else values[baseline] / value
-    return f"{ratio:.1f}x"
-  return f"({times('fp32')} / {times('bf16')})"
-
-
 def lm_table(results: pathlib.Path = RESULTS) -> str:
   """The README's table of the language model trained with Adam(W), or ``""`` without results.
 
@@ -172,7 +162,8 @@ def lm_table(results: pathlib.Path = RESULTS) -> str:
     differences = " / ".join(f"{run[f'eval_loss_minus_{b}']:+.3f}"
                              if f"eval_loss_minus_{b}" in run else "-" for b in BASELINES)
     lines.append(f"| {name} | {run['eval_loss']:.3f} ({differences}) "
-                 f"| {sent[mode] / 1e3:,.0f} kB {_versus(sent, sent[mode])} |")
+                 f"| {sent[mode] / 1e3:,.0f} kB ({_ratio(sent, 'fp32', sent[mode])} / "
+                 f"{_ratio(sent, 'bf16', sent[mode])}) |")
   some, config = next(iter(runs.values())), lm["config"]
   note = (
       f"`examples/lm`: a byte-level GPT of {some['num_params']:,} parameters,"

@@ -18,6 +18,7 @@ def full_optimizations():
   """XLA's full optimizations for one test, as users compile."""
   import jax
 
+  previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)
   yield
-  jax.config.update("jax_disable_most_optimizations", True)
+  jax.config.update("jax_disable_most_optimizations", previous)
