@@ -25,12 +25,17 @@ all-reduce: about 32x fewer bytes.
 
 All vectors travel together: device ``j``'s row holds chunk ``j`` of every
 vector end to end (``width = sum_i D_i / n`` elements), so the worker error of
-a device is ``float32[n, width]`` and its server error ``float32[width]``.
+a device is ``float32[n, width]`` and its server error ``float32[width]``. On
+the wire each chunk's signs start on a ``uint32`` word (at most 31 bits of
+padding a vector), so that every step works on one vector, and one row of it,
+at a time: XLA:CPU adds the ``n`` rows of unpacked signs, or cuts a row out of
+an unpacked array, some 50x slower than it unpacks each row by itself.
 """
 
 import dataclasses
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -75,10 +80,17 @@ class SignLayout:
     """Elements of a row: one chunk of every vector."""
     return sum(self.chunks)
 
+  @functools.cached_property
+  def word_offsets(self) -> tuple[int, ...]:
+    """Where each vector's packed signs start in a row's words, and (last) its scales."""
+    return tuple(int(offset) for offset in np.cumsum(
+        (0,) + tuple(packing.num_words(chunk, 1) for chunk in self.chunks)))
+
   @property
   def words(self) -> int:
-    """``uint32`` words of a row's signs, packed, then its scales."""
-    return packing.num_words(self.width, 1) + len(self.sizes)
+    """``uint32`` words of a row: each vector's signs, packed from a word of its own, then
+    one scale a vector."""
+    return self.word_offsets[-1] + len(self.sizes)
 
   def worker_error_shape(self) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((self.num_devices, self.width), jnp.float32)
@@ -133,43 +145,57 @@ def exchange(vectors, worker_error: jax.Array, server_error: jax.Array, layout: 
     An :class:`Exchanged`.
   """
   n = layout.num_devices
-  rows = jnp.concatenate(
-      [_pad(v.reshape(-1).astype(jnp.float32), padded).reshape(n, chunk)
-       for v, padded, chunk in zip(vectors, layout.padded_sizes, layout.chunks, strict=True)],
-      axis=1)
-  compensated = rows + worker_error
-  worker_scales = _chunk_rms(compensated, layout, num_rows=n)
-  nonnegative = compensated >= 0
-  worker_error = compensated - _by_vector(worker_scales, _plus_minus(nonnegative), layout)
-  words = jax.vmap(lambda bits: packing.pack(bits.astype(jnp.uint32), 1))(nonnegative)
+  columns = [slice(offset, offset + chunk)
+             for offset, chunk in zip(layout.offsets, layout.chunks, strict=True)]
+  compensated = [
+      _pad(v.reshape(-1).astype(jnp.float32), padded).reshape(n, chunk) + worker_error[:, cut]
+      for v, padded, chunk, cut in zip(vectors, layout.padded_sizes, layout.chunks, columns,
+                                       strict=True)]
+  worker_scales = jnp.stack([_rms(c) for c in compensated])
+  worker_errors, worker_words = [], []
+  for c, scale in zip(compensated, worker_scales, strict=True):
+    nonnegative = c >= 0
+    worker_errors.append(c - _plus_minus(nonnegative) * scale)
+    worker_words.append(jnp.stack([_pack(row) for row in nonnegative]))
   send = jnp.concatenate(
-      [words, jnp.broadcast_to(_as_words(worker_scales), (n, len(layout.sizes)))], axis=1)
+      [*worker_words, jnp.broadcast_to(_as_words(worker_scales), (n, len(layout.sizes)))],
+      axis=1)
   if axis_name is None:
     received = send
   else:
     received = jax.lax.all_to_all(axes_lib.as_varying(send, axis_name), axis_name, 0, 0)
-  signs, scales = _read_rows(received, layout)
   # Row k is worker k's chunk of the vectors this device serves.
-  served = jnp.sum(_by_vector(scales * np.float32(1 / n), signs, layout), axis=0) + server_error
-  server_scales = _chunk_rms(served[None], layout, num_rows=1)
-  served_nonnegative = served >= 0
-  server_error = served - _by_vector(server_scales, _plus_minus(served_nonnegative)[None],
-                                    layout)[0]
-  reply = jnp.concatenate(
-      [packing.pack(served_nonnegative.astype(jnp.uint32), 1), _as_words(server_scales)])
+  signs, scales = _read_rows(received, layout)
+  served = []
+  for i, cut in enumerate(columns):
+    weighted = [row * scale for row, scale in zip(signs[i], scales[:, i] * np.float32(1 / n),
+                                                  strict=True)]
+    served.append(functools.reduce(operator.add, weighted) + server_error[cut])
+  server_scales = jnp.stack([_rms(u) for u in served])
+  server_errors, server_words = [], []
+  for u, scale in zip(served, server_scales, strict=True):
+    nonnegative = u >= 0
+    server_errors.append(u - _plus_minus(nonnegative) * scale)
+    server_words.append(_pack(nonnegative))
+  reply = jnp.concatenate([*server_words, _as_words(server_scales)])
   if axis_name is None:
     gathered = reply[None]
   else:
     gathered = axes_lib.all_gather_replicated(reply, axis_name)
+  # Row j is server j's chunk of every vector.
   out_signs, out_scales = _read_rows(gathered, layout)
-  decoded = _by_vector(out_scales, out_signs, layout)
-  vectors = [decoded[:, offset:offset + chunk].reshape(-1)[:size]
-             for offset, chunk, size in zip(layout.offsets, layout.chunks, layout.sizes,
-                                            strict=True)]
+  averages = []
+  for rows, scales_i, chunk, size in zip(out_signs, out_scales.T, layout.chunks, layout.sizes,
+                                         strict=True):
+    pieces = [row[:min(chunk, size - j * chunk)] * scale
+              for j, (row, scale) in enumerate(zip(rows, scales_i, strict=True))
+              if j * chunk < size]
+    averages.append(jnp.concatenate(pieces))
   # A NaN or inf in any worker's vector makes its scale so, then the sums its servers
   # add, then their scales: the gathered server scales tell every device alike.
   all_finite = jnp.all(jnp.isfinite(out_scales))
-  return Exchanged(vectors, worker_error, server_error, all_finite)
+  return Exchanged(averages, jnp.concatenate(worker_errors, axis=1),
+                   jnp.concatenate(server_errors), all_finite)
 
 
 def _pad(vector: jax.Array, size: int) -> jax.Array:
@@ -180,33 +206,30 @@ def _plus_minus(nonnegative: jax.Array) -> jax.Array:
   return jnp.where(nonnegative, np.float32(1), np.float32(-1))
 
 
-def _chunk_rms(rows: jax.Array, layout: SignLayout, num_rows: int) -> jax.Array:
-  """``float32[len(sizes)]``: each vector's ``||x||_2 / sqrt(elements)`` over its columns."""
-  return jnp.stack([
-      jnp.sqrt(jnp.sum(jnp.square(rows[:, offset:offset + chunk])))
-      / np.float32(math.sqrt(num_rows * chunk))
-      for offset, chunk in zip(layout.offsets, layout.chunks, strict=True)])
+def _rms(x: jax.Array) -> jax.Array:
+  """``||x||_2 / sqrt(x.size)``, a float32 scalar."""
+  return jnp.sqrt(jnp.sum(jnp.square(x))) / np.float32(math.sqrt(x.size))
 
 
-def _by_vector(scales: jax.Array, signs: jax.Array, layout: SignLayout) -> jax.Array:
-  """``signs`` (``[rows, width]``) with each vector's columns times its scale.
-
-  ``scales`` is ``[len(sizes)]`` (one for all rows) or ``[rows, len(sizes)]``.
-  """
-  scales = jnp.broadcast_to(scales, (signs.shape[0], len(layout.sizes)))
-  return jnp.concatenate(
-      [signs[:, offset:offset + chunk] * scales[:, i:i + 1]
-       for i, (offset, chunk) in enumerate(zip(layout.offsets, layout.chunks, strict=True))],
-      axis=1)
+def _pack(nonnegative: jax.Array) -> jax.Array:
+  """``bool[chunk]`` as ``uint32[ceil(chunk / 32)]``, one bit an element."""
+  return packing.pack(nonnegative.astype(jnp.uint32), 1)
 
 
 def _as_words(scales: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(scales, jnp.uint32)
 
 
-def _read_rows(rows: jax.Array, layout: SignLayout) -> tuple[jax.Array, jax.Array]:
-  """``rows`` (``uint32[k, words]``) as signs ``float32[k, width]`` of +-1 and scales."""
-  sign_words = packing.num_words(layout.width, 1)
-  bits = jax.vmap(lambda words: packing.unpack(words, layout.width, 1))(rows[:, :sign_words])
-  scales = jax.lax.bitcast_convert_type(rows[:, sign_words:], jnp.float32)
-  return _plus_minus(bits.astype(bool)), scales
+def _read_rows(rows: jax.Array, layout: SignLayout) -> tuple[list[list[jax.Array]], jax.Array]:
+  """``rows`` (``uint32[k, words]``) as signs and scales.
+
+  Returns:
+    For each vector ``i``, its ``k`` rows of signs, ``float32[chunks[i]]`` of
+    +-1 each; and the scales, ``float32[k, len(sizes)]``.
+  """
+  word_offsets = layout.word_offsets
+  signs = [[_plus_minus(packing.unpack(row[start:stop], chunk, 1).astype(bool)) for row in rows]
+           for start, stop, chunk in zip(word_offsets[:-1], word_offsets[1:], layout.chunks,
+                                         strict=True)]
+  scales = jax.lax.bitcast_convert_type(rows[:, word_offsets[-1]:], jnp.float32)
+  return signs, scales
