@@ -236,9 +236,13 @@ def scale_by_onebit_adam(
           means)
 
     def stored(new_mu, new_nu, worker_error, server_error, finite):
+      # A non-finite step keeps the moments and errors as they were, on every device
+      # together; chosen here, where XLA fuses the choice into what computes them.
       new_mu = [m.astype(old.dtype) for m, old in zip(new_mu, mu, strict=True)]
       new_nu = [v.astype(old.dtype) for v, old in zip(new_nu, nu, strict=True)]
-      return new_mu, new_nu, worker_error, server_error, finite
+      kept = common.tree_select(finite, (new_mu, new_nu, worker_error, server_error),
+                                (mu, nu, state.worker_error, state.server_error))
+      return *kept, finite
 
     new_mu, new_nu, worker_error, server_error, finite = jax.lax.cond(
         frozen, lambda _: stored(*compressed(_)), lambda _: stored(*warm_up(_)), None)
@@ -268,18 +272,18 @@ def scale_by_onebit_adam(
 
     num_float = leaves.elements("compressed") + leaves.elements("float32")
     step_stats = _stats(frozen, leaves, layout, num_float, sizes)
+    # A non-finite step leaves the state as it was (the moments and errors already
+    # chosen above), on every device together.
     new_state = ScaleByOneBitAdamState(
-        count=count,
+        count=jnp.where(finite, count, state.count),
         mu=jax.tree.unflatten(treedef, new_mu),
         nu=jax.tree.unflatten(treedef, new_nu),
         worker_error=worker_error,
         server_error=server_error,
-        freeze_count=freeze_count,
-        variance_history=history,
+        freeze_count=jnp.where(finite, freeze_count, state.freeze_count),
+        variance_history=common.tree_select(finite, history, state.variance_history),
         stats=step_stats,
     )
-    # A non-finite step leaves the state as it was, on every device together.
-    new_state = common.tree_select(finite, new_state, state._replace(stats=step_stats))
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
