@@ -29,7 +29,7 @@ a device is ``float32[n, width]`` and its server error ``float32[width]``. On
 the wire each chunk's signs start on a ``uint32`` word (at most 31 bits of
 padding a vector), so that every step works on one vector, and one row of it,
 at a time: XLA:CPU adds the ``n`` rows of unpacked signs, or cuts a row out of
-an unpacked array, some 50x slower than it unpacks each row by itself.
+an unpacked array, 40 to 50x slower than it unpacks each row by itself.
 """
 
 import dataclasses
