@@ -52,6 +52,8 @@ SUITE = (
      "decentralized.py", False, [], ["--seeds", "2", "--steps", "100"]),
     ("Compressed Adam on digits: bytes a step before and after the freeze",
      "compressed_adam_bytes.py", False, [], ["--steps", "60", "--freeze-step", "20"]),
+    ("Compressed Adam: what a step computes against AdamW (2 simulated CPU devices)",
+     "compressed_adam_step.py", False, [], ["--repeats", "3"]),
     ("Error of the mean against bytes, by reduction method", "reduction_methods.py", False,
      [], ["--size", "65536", "--keys", "4"]),
     ("Alpha-beta cost model", "cost_model.py", False,
