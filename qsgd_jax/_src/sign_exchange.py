@@ -184,7 +184,7 @@ def exchange(vectors, worker_error: jax.Array, server_error: jax.Array, layout: 
     gathered = axes_lib.all_gather_replicated(reply, axis_name)
   # Row j is server j's chunk of every vector: a vector's rows, end to end, are its average.
   word_offsets = layout.word_offsets
-  out_scales = jax.lax.bitcast_convert_type(gathered[:, word_offsets[-1]:], jnp.float32)
+  out_scales = _read_scales(gathered, layout)
   averages = [
       (_unpacked_rows(gathered[:, start:stop], chunk) * out_scales[:, i, None]).reshape(-1)[:size]
       for i, (start, stop, chunk, size) in enumerate(zip(
@@ -224,8 +224,9 @@ def _unpacked_rows(words: jax.Array, chunk: int) -> jax.Array:
   Unpacked in one piece, not row by row and joined: XLA:CPU runs a fused
   concatenation an element at a time, some 18x slower.
   """
-  bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
-  return _plus_minus(bits.reshape(words.shape[0], -1)[:, :chunk] != 0)
+  rows, row_words = words.shape
+  bits = packing.unpack(words.reshape(-1), rows * row_words * 32, 1).reshape(rows, -1)
+  return _plus_minus(bits[:, :chunk].astype(bool))
 
 
 def _read_rows(rows: jax.Array, layout: SignLayout) -> tuple[list[list[jax.Array]], jax.Array]:
@@ -239,5 +240,9 @@ def _read_rows(rows: jax.Array, layout: SignLayout) -> tuple[list[list[jax.Array
   signs = [[_plus_minus(packing.unpack(row[start:stop], chunk, 1).astype(bool)) for row in rows]
            for start, stop, chunk in zip(word_offsets[:-1], word_offsets[1:], layout.chunks,
                                          strict=True)]
-  scales = jax.lax.bitcast_convert_type(rows[:, word_offsets[-1]:], jnp.float32)
-  return signs, scales
+  return signs, _read_scales(rows, layout)
+
+
+def _read_scales(rows: jax.Array, layout: SignLayout) -> jax.Array:
+  """The scales of ``rows`` (``uint32[k, words]``), ``float32[k, len(sizes)]``."""
+  return jax.lax.bitcast_convert_type(rows[:, layout.word_offsets[-1]:], jnp.float32)
