@@ -346,5 +346,48 @@ def tree_select(condition: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda a, b: jnp.where(condition, a, b), new, old)
 
 
+def variance_zeros(params) -> Any:
+  """The second moment's zeros: in each parameter's dtype, but float32 for float16 ones.
+
+  Squared gradients underflow float16 (its smallest value is about
+  :math:`6 \\times 10^{-8}`: :math:`(1 - \\beta_2) g^2` is zero for
+  :math:`|g| < 8 \\times 10^{-3}`), and Adam would divide a momentum by
+  :math:`\\sqrt{0} + \\epsilon`; bfloat16 has float32's range.
+  """
+  return jax.tree.map(
+      lambda x: jnp.zeros(jnp.shape(x), jnp.float32 if jnp.result_type(x) == jnp.float16
+                          else jnp.result_type(x)), params)
+
+
+def all_finite(leaves) -> jax.Array:
+  """``bool[]``: whether every element of every leaf is finite (``True`` for none)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else (
+      jnp.bool_(True))
+
+
+def cast_like(new: list, old: list) -> list:
+  """Each of ``new`` in the dtype of ``old``'s leaf at its place: one cast a branch output, so
+  that the branches of a ``jax.lax.cond`` agree whatever the parameters' dtypes."""
+  return [x.astype(jnp.result_type(like)) for x, like in zip(new, old, strict=True)]
+
+
+def unseen_masked(momentum: jax.Array, variance: jax.Array) -> jax.Array:
+  r"""``momentum`` with zeros where ``variance`` is exactly zero.
+
+  A coordinate whose second moment is zero has had a zero mean gradient at
+  every update that moved the variance (an embedding row whose token never
+  came, a padding row, a dead unit). Adam moves it by
+  :math:`\hat m / (\sqrt{0} + \epsilon) = 0` there. A 1-bit exchange cannot
+  send a zero: every element gets its tensor's scale with some sign, and
+  :math:`m / \epsilon` would move such a coordinate by about :math:`10^8` times
+  that scale a step. Its momentum is kept at zero instead, so it moves no
+  further than AdamW moves it (weight decay alone). DeepSpeed's answer to the
+  same problem is a mask the user gives (``exp_avg_mask``, multiplied into
+  the momentum after the compressed all-reduce, for e.g. the unused tail of a
+  positional embedding); here it is read from the variance, for every leaf.
+  """
+  return jnp.where(variance == 0, jnp.zeros((), momentum.dtype), momentum)
+
+
 def as_callable_schedule(learning_rate) -> Callable[[jax.Array], jax.Array]:
   return learning_rate if callable(learning_rate) else (lambda count: learning_rate)

@@ -96,6 +96,17 @@ def scale_by_onebit_adam(
   float32 warm-up is a fixed preconditioner, and the momentum, which is linear
   in the gradients, takes the error feedback well (Tang et al. 2021).
 
+  After the freeze, a coordinate of a compressed leaf whose frozen variance
+  is exactly zero (its mean gradient was zero through the whole warm-up: an
+  embedding row whose token never came, padding, a dead unit) keeps a zero
+  momentum, and so a zero Adam direction, as AdamW gives it: the 1-bit
+  exchange cannot send a zero, and :math:`m / \epsilon` would move it by
+  about :math:`10^8` times its tensor's scale a step. DeepSpeed leaves that
+  to a mask the user gives (``exp_avg_mask``); here it is read from the
+  variance. Such a coordinate stays where the warm-up left it, even if its
+  gradient appears later: give it a warm-up long enough to see it, or keep
+  its leaf on the float32 path with ``compression_mask``.
+
   Leaves under ``min_compressed_size`` elements, and those
   ``compression_mask`` excludes, are averaged in float32 throughout and keep
   plain Adam, variance included (DeepSpeed's ``non_freeze`` parameter
@@ -183,7 +194,7 @@ def scale_by_onebit_adam(
     return ScaleByOneBitAdamState(
         count=jnp.zeros((), jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree.zeros_like(params),
+        nu=common.variance_zeros(params),
         worker_error=worker_error,
         server_error=server_error,
         freeze_count=common.initial_freeze_count(freeze_step),
@@ -203,6 +214,7 @@ def scale_by_onebit_adam(
     common.check_tree(owner, updates, params, state.mu)
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
+    axes_lib.check_varying(updates, axes, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
     common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
@@ -220,7 +232,7 @@ def scale_by_onebit_adam(
       indices = tuple(sorted(leaves.compressed + leaves.float32))
       means = common.pmean_float32([grads[i] for i in indices], axes)
       new_mu, new_nu = moments(indices, means, list(mu), list(nu))
-      return new_mu, new_nu, state.worker_error, state.server_error, _all_finite(means)
+      return new_mu, new_nu, state.worker_error, state.server_error, common.all_finite(means)
 
     def compressed(_):
       local_mu = [optax.tree.update_moment(grads[i].astype(jnp.float32), mu[i], b1, 1)
@@ -229,10 +241,10 @@ def scale_by_onebit_adam(
                             sizes)
       new_mu = list(mu)
       for i, vector in zip(leaves.compressed, out.vectors, strict=True):
-        new_mu[i] = vector
+        new_mu[i] = common.unseen_masked(vector, nu[i])
       means = common.pmean_float32([grads[i] for i in leaves.float32], axes)
       new_mu, new_nu = moments(leaves.float32, means, new_mu, list(nu))
-      return new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & _all_finite(
+      return new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & common.all_finite(
           means)
 
     def stored(new_mu, new_nu, worker_error, server_error, finite):
@@ -261,7 +273,7 @@ def scale_by_onebit_adam(
       out.append(jnp.where(finite, direction, jnp.nan).astype(jnp.result_type(g)))
 
     freeze_count, history = state.freeze_count, state.variance_history
-    if auto:
+    if auto and leaves.compressed:
       correction = 1 - b2 ** count if bias_correction else 1.0
       history, settled = auto.record(
           history, count,
@@ -380,11 +392,6 @@ def onebit_adam(
 
 def _float_leaves(tree):
   return jax.tree.map(lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating), tree)
-
-
-def _all_finite(leaves) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else (
-      jnp.bool_(True))
 
 
 def _stats(frozen: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,

@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from qsgd_jax._src import axes as axes_lib
@@ -67,6 +68,55 @@ class ZeroOneAdamState(NamedTuple):
   freeze_count: jax.Array
   variance_history: jax.Array | tuple[()]
   stats: stats.CompressionStats
+
+
+# What a step sends besides the float32 leaves: every float leaf in float32, the compressed
+# ones by the 1-bit exchange, or nothing more.
+_SENT_FLOAT32, _SENT_ONEBIT, _SENT_SMALL = np.int32(0), np.int32(1), np.int32(2)
+
+
+class _Moments(NamedTuple):
+  """What a step before the freeze computes, in either of its branches."""
+
+  mu: list[jax.Array]  # In the state's dtypes.
+  nu: list[jax.Array]
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
+  finite: jax.Array  # bool[]: the same on every device.
+  variance_updates: jax.Array  # int32[]
+
+
+class _Synchronized(NamedTuple):
+  """What a step after the freeze computes, synchronizing or stepping locally."""
+
+  deltas: list  # float32 updates, None for a leaf that is not optimized.
+  mu: list[jax.Array]
+  accumulator: tuple[jax.Array, ...]
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
+  finite: jax.Array
+  learning_rate_sum: jax.Array
+  sent: jax.Array  # int32[], one of _SENT_*.
+
+
+class _Outcome(NamedTuple):
+  """A step's new state and updates, the same fields and dtypes before and after the freeze."""
+
+  deltas: list
+  mu: list[jax.Array]
+  nu: list[jax.Array]
+  accumulator: tuple[jax.Array, ...]
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
+  finite: jax.Array
+  variance_interval: jax.Array
+  variance_counter: jax.Array
+  variance_updates: jax.Array
+  local_interval: jax.Array
+  local_counter: jax.Array
+  learning_rate_sum: jax.Array
+  variance_updated: jax.Array
+  sent: jax.Array
 
 
 def zero_one_adam(
@@ -218,7 +268,7 @@ def zero_one_adam(
     return ZeroOneAdamState(
         count=zero,
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree.zeros_like(params),
+        nu=common.variance_zeros(params),
         accumulator=tuple(jnp.zeros(jnp.shape(flat[i]), jnp.float32)
                           for i in leaves.compressed) if local_steps else (),
         worker_error=worker_error,
@@ -245,6 +295,7 @@ def zero_one_adam(
     common.check_tree(owner, updates, params, state.mu)
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
+    axes_lib.check_varying(updates, axes, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
     common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
@@ -268,8 +319,9 @@ def zero_one_adam(
         update = update + weight_decay * flat_params[i]
       return -lr * update
 
-    def local_flag():
-      return jnp.logical_not(_all_finite([grads[i] for i in compressed]))
+    def as_stored(new_mu, new_nu):
+      """The moments in the state's dtypes: every branch returns them so."""
+      return common.cast_like(new_mu, mu), common.cast_like(new_nu, nu)
 
     def small_path(new_mu, new_nu, flag):
       """The float32 leaves' plain Adam step; ``flag`` (this device's) travels with them."""
@@ -278,7 +330,7 @@ def zero_one_adam(
       for i, mean in zip(small, means, strict=True):
         new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
         new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
-      return new_mu, new_nu, (flag == 0) & _all_finite(means)
+      return new_mu, new_nu, (flag == 0) & common.all_finite(means)
 
     def variance_step(_):
       indices = tuple(sorted(compressed + small))
@@ -287,135 +339,164 @@ def zero_one_adam(
       for i, mean in zip(indices, means, strict=True):
         new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
         new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
-      return (new_mu, new_nu, state.worker_error, state.server_error, _all_finite(means),
-              state.variance_updates + 1)
+      return _Moments(*as_stored(new_mu, new_nu), state.worker_error, state.server_error,
+                      common.all_finite(means), state.variance_updates + 1)
 
     def onebit_step(_):
       out = common.exchange([grads[i] for i in compressed], state.worker_error,
                             state.server_error, leaves, axes, sizes)
       new_mu = list(mu)
       for i, vector in zip(compressed, out.vectors, strict=True):
-        new_mu[i] = optax.tree.update_moment(vector, mu[i], b1, 1)
+        new_mu[i] = common.unseen_masked(optax.tree.update_moment(vector, mu[i], b1, 1), nu[i])
       new_mu, new_nu, finite = small_path(new_mu, list(nu), jnp.bool_(False))
-      return (new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & finite,
-              state.variance_updates)
+      return _Moments(*as_stored(new_mu, new_nu), out.worker_error, out.server_error,
+                      out.all_finite & finite, state.variance_updates)
 
     def warm(_):
-      t = count
-      is_variance_step = t % state.variance_interval == 0
-      new_mu, new_nu, worker_error, server_error, finite, variance_updates = jax.lax.cond(
-          is_variance_step, variance_step, onebit_step, None)
+      is_variance_step = count % state.variance_interval == 0
+      moments = jax.lax.cond(is_variance_step, variance_step, onebit_step, None)
       deltas = []
       for i in range(len(grads)):
         if leaves.kinds[i] == "other":
           deltas.append(None)
           continue
-        v_count = variance_updates if leaves.kinds[i] == "compressed" else count
-        deltas.append(step_of(i, new_mu[i], denominator(new_nu[i], v_count)))
+        v_count = moments.variance_updates if leaves.kinds[i] == "compressed" else count
+        deltas.append(step_of(i, moments.mu[i], denominator(moments.nu[i], v_count)))
       counter = state.variance_counter + is_variance_step.astype(jnp.int32)
       doubled = counter == var_update_scaler
-      schedule_state = (jnp.where(doubled, 2 * state.variance_interval, state.variance_interval),
-                        jnp.where(doubled, 0, counter), variance_updates)
-      return (per_device(deltas), new_mu, new_nu, state.accumulator, worker_error,
-              server_error, finite, schedule_state, state.local_interval, state.local_counter,
-              state.learning_rate_sum, jnp.logical_not(is_variance_step), is_variance_step)
+      return _Outcome(
+          deltas=per_device(_as_float32(deltas)), mu=moments.mu, nu=moments.nu,
+          accumulator=state.accumulator, worker_error=moments.worker_error,
+          server_error=moments.server_error, finite=moments.finite,
+          variance_interval=jnp.where(doubled, 2 * state.variance_interval,
+                                      state.variance_interval),
+          variance_counter=jnp.where(doubled, 0, counter),
+          variance_updates=moments.variance_updates,
+          local_interval=state.local_interval, local_counter=state.local_counter,
+          learning_rate_sum=state.learning_rate_sum,
+          variance_updated=is_variance_step,
+          sent=jnp.where(is_variance_step, _SENT_FLOAT32, _SENT_ONEBIT))
 
     def frozen_step(_):
       lr_sum = state.learning_rate_sum + lr
       local = common.inner_mean([grads[i] for i in compressed], axes)
-      new_mu, new_nu, finite = small_path(list(mu), list(nu), local_flag())
+      local_flag = jnp.logical_not(common.all_finite([grads[i] for i in compressed]))
+      new_mu, new_nu, finite = small_path(list(mu), list(nu), local_flag)
       deltas = [None] * len(grads)
       denominators = {}
       for k, i in enumerate(compressed):
-        new_mu[i] = optax.tree.update_moment(local[k], mu[i], b1, 1)
+        new_mu[i] = common.unseen_masked(optax.tree.update_moment(local[k], mu[i], b1, 1),
+                                         nu[i])
         denominators[i] = denominator(nu[i], state.variance_updates)
         deltas[i] = step_of(i, new_mu[i], denominators[i])
       for i in small:
         deltas[i] = step_of(i, new_mu[i], denominator(new_nu[i], count))
+      deltas = _as_float32(deltas)
       accumulator = (tuple(a + deltas[i] for a, i in zip(state.accumulator, compressed,
                                                          strict=True))
                      if local_steps else tuple(deltas[i] for i in compressed))
-      synchronize = count % state.local_interval == 0
+      new_mu, new_nu = as_stored(new_mu, new_nu)
 
-      def synchronized(_):
+      def synchronized(sync_mu, sync_deltas, average, moved):
+        """The outcome of a synchronization: the compressed leaves' momentum ``average`` and
+        the parameters ``moved`` from the last synchronized point."""
+        for k, i in enumerate(compressed):
+          sync_mu[i] = common.unseen_masked(average[k], nu[i])
+          sync_deltas[i] = moved[k] - state.accumulator[k] if local_steps else moved[k]
+        zeros = tuple(jnp.zeros_like(a) for a in accumulator) if local_steps else ()
+        return (per_device(_as_float32(sync_deltas)),
+                per_device(common.cast_like(sync_mu, mu)), per_device(zeros))
+
+      def onebit_sync(_):
         scaled = [a * denominators[i] for a, i in zip(accumulator, compressed, strict=True)]
         out = common.exchange(scaled, state.worker_error, state.server_error, leaves, axes,
                               sizes)
-        sync_mu, sync_deltas = list(new_mu), list(deltas)
-        for k, i in enumerate(compressed):
-          average = out.vectors[k]
-          sync_mu[i] = -(average / lr_sum) * c1
-          moved = average / denominators[i]
-          sync_deltas[i] = moved - state.accumulator[k] if local_steps else moved
-        zeros = tuple(jnp.zeros_like(a) for a in accumulator) if local_steps else ()
-        return (per_device(sync_deltas), per_device(sync_mu), per_device(zeros),
-                out.worker_error, out.server_error, out.all_finite, jnp.float32(0))
+        average = [-(u / lr_sum) * c1 for u in out.vectors]
+        moved = [common.unseen_masked(u / denominators[i], nu[i])
+                 for u, i in zip(out.vectors, compressed, strict=True)]
+        sync_deltas, sync_mu, zeros = synchronized(list(new_mu), list(deltas), average, moved)
+        return _Synchronized(sync_deltas, sync_mu, zeros, out.worker_error, out.server_error,
+                             out.all_finite & common.all_finite(average), jnp.float32(0),
+                             _SENT_ONEBIT)
+
+      def momentum_sync(_):
+        # Every learning rate since the last synchronization was zero (a warm restart, a
+        # schedule decayed to zero): nothing moved, and the momentum cannot be read back from
+        # the movement (0 / 0). The devices average their momenta in float32 instead, as
+        # AdamW's would be, and the parameters stay; the exchange's errors are untouched.
+        average = common.pmean_float32([new_mu[i] for i in compressed], axes)
+        moved = [jnp.zeros(a.shape, a.dtype) for a in accumulator]
+        sync_deltas, sync_mu, zeros = synchronized(list(new_mu), list(deltas), average, moved)
+        return _Synchronized(sync_deltas, sync_mu, zeros, state.worker_error,
+                             state.server_error, common.all_finite(average), jnp.float32(0),
+                             _SENT_FLOAT32)
+
+      def synchronize_all(_):
+        return jax.lax.cond(lr_sum > 0, onebit_sync, momentum_sync, None)
 
       def local_step(_):
-        return (per_device(deltas), per_device(new_mu), accumulator, state.worker_error,
-                state.server_error, jnp.bool_(True), lr_sum)
+        return _Synchronized(per_device(deltas), per_device(new_mu), accumulator,
+                             state.worker_error, state.server_error, jnp.bool_(True), lr_sum,
+                             _SENT_SMALL)
 
+      synchronize = count % state.local_interval == 0
       if local_steps:
-        (deltas, new_mu, accumulator, worker_error, server_error, exchanged_finite,
-         lr_sum) = jax.lax.cond(synchronize, synchronized, local_step, None)
+        sync = jax.lax.cond(synchronize, synchronize_all, local_step, None)
       else:
-        (deltas, new_mu, accumulator, worker_error, server_error, exchanged_finite,
-         lr_sum) = synchronized(None)
+        sync = synchronize_all(None)
       counter = state.local_counter + 1
       doubled = counter == local_step_scaler
-      local_interval = jnp.where(doubled, jnp.minimum(local_step_clipper,
-                                                      2 * state.local_interval),
-                                 state.local_interval)
-      schedule_state = (state.variance_interval, state.variance_counter,
-                        state.variance_updates)
-      return (per_device(deltas), new_mu, new_nu, accumulator, worker_error, server_error,
-              finite & exchanged_finite, schedule_state, local_interval,
-              jnp.where(doubled, 0, counter), lr_sum, synchronize, jnp.bool_(False))
+      return _Outcome(
+          deltas=per_device(sync.deltas), mu=sync.mu, nu=new_nu, accumulator=sync.accumulator,
+          worker_error=sync.worker_error, server_error=sync.server_error,
+          finite=finite & sync.finite, variance_interval=state.variance_interval,
+          variance_counter=state.variance_counter, variance_updates=state.variance_updates,
+          local_interval=jnp.where(
+              doubled, jnp.minimum(local_step_clipper, 2 * state.local_interval),
+              state.local_interval),
+          local_counter=jnp.where(doubled, 0, counter), learning_rate_sum=sync.learning_rate_sum,
+          variance_updated=jnp.bool_(False), sent=sync.sent)
 
-    (deltas, new_mu, new_nu, accumulator, worker_error, server_error, finite, variance_schedule,
-     local_interval, local_counter, lr_sum, exchanged, variance_updated) = jax.lax.cond(
-         frozen, frozen_step, warm, None)
-    variance_interval, variance_counter, variance_updates = variance_schedule
+    step = jax.lax.cond(frozen, frozen_step, warm, None)
 
     freeze_count, history = state.freeze_count, state.variance_history
-    if auto:
-      correction = 1 - b2 ** variance_updates if bias_correction else 1.0
+    if auto and compressed:
+      correction = 1 - b2 ** step.variance_updates if bias_correction else 1.0
       history, settled = auto.record(
-          history, variance_updates,
-          common.statistic([new_nu[i] for i in compressed], correction))
-      recorded = variance_updated & finite
+          history, step.variance_updates,
+          common.statistic([step.nu[i] for i in compressed], correction))
+      recorded = step.variance_updated & step.finite
       history = jnp.where(recorded, history, state.variance_history)
       freeze_count = jnp.where(recorded & settled, count, freeze_count)
     # zoadam.py 310-317: the errors start afresh when the variance freezes.
     freezing = jnp.logical_not(frozen) & (count >= freeze_count)
     worker_error, server_error = jax.tree.map(lambda e: jnp.where(freezing, 0.0, e),
-                                              (worker_error, server_error))
-
-    out = [common.zero_update(g) if d is None else d.astype(jnp.result_type(g))
-           for g, d in zip(grads, deltas, strict=True)]
+                                              (step.worker_error, step.server_error))
+    finite = step.finite
     new_state = ZeroOneAdamState(
         count=count,
-        mu=jax.tree.unflatten(treedef, [m.astype(old.dtype) for m, old in zip(new_mu, mu,
-                                                                                strict=True)]),
-        nu=jax.tree.unflatten(treedef, [v.astype(old.dtype) for v, old in zip(new_nu, nu,
-                                                                                strict=True)]),
-        accumulator=accumulator,
+        mu=jax.tree.unflatten(treedef, step.mu),
+        nu=jax.tree.unflatten(treedef, step.nu),
+        accumulator=step.accumulator,
         worker_error=worker_error,
         server_error=server_error,
-        variance_interval=variance_interval,
-        variance_counter=variance_counter,
-        variance_updates=variance_updates,
-        local_interval=local_interval,
-        local_counter=local_counter,
-        learning_rate_sum=lr_sum,
+        variance_interval=step.variance_interval,
+        variance_counter=step.variance_counter,
+        variance_updates=step.variance_updates,
+        local_interval=step.local_interval,
+        local_counter=step.local_counter,
+        learning_rate_sum=step.learning_rate_sum,
         freeze_count=freeze_count,
         variance_history=history,
-        stats=_stats(variance_updated, exchanged, leaves, layout, sizes),
+        stats=_stats(step.sent, leaves, layout, sizes),
     )
+    # A non-finite step keeps the state (but the stats) on every device together; chosen
+    # field by field, where XLA fuses the choice into what computes each.
     kept = state._replace(stats=new_state.stats)
     new_state = common.tree_select(finite, new_state, kept)
-    out = [jnp.where(finite, u, jnp.zeros_like(u)) if jnp.result_type(u) != jax.dtypes.float0
-           else u for u in out]
+    out = [common.zero_update(g) if d is None
+           else jnp.where(finite, d, jnp.zeros((), jnp.float32)).astype(jnp.result_type(g))
+           for g, d in zip(grads, step.deltas, strict=True)]
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -434,15 +515,16 @@ def _decayed(mask, params, count: int) -> list[bool]:
   return [bool(flag) for flag in flags]
 
 
-def _all_finite(leaves) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else (
-      jnp.bool_(True))
+def _as_float32(deltas: list) -> list:
+  """Each update (``None`` for a leaf that is not optimized) in float32, in every branch."""
+  return [None if d is None else d.astype(jnp.float32) for d in deltas]
 
 
-def _stats(variance_updated, exchanged, leaves: common.Leaves, layout: sign_exchange.SignLayout,
+def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
            sizes: tuple[int, ...]) -> stats.CompressionStats:
-  """What the step sent: float32 at a variance update, else the 1-bit exchange where there was
-  one, and the float32 leaves (with the finiteness flag) every step."""
+  """What the step sent: the float32 leaves (with the finiteness flag) every step, and all the
+  others in float32 (a variance update, a synchronization with a zero learning rate) or by
+  the 1-bit exchange (its other steps before the freeze, a synchronization after)."""
   if not sizes:
     return stats.make(0.0, 0.0, jnp.nan)
   n, m = sizes[0], math.prod(sizes[1:])
@@ -451,5 +533,5 @@ def _stats(variance_updated, exchanged, leaves: common.Leaves, layout: sign_exch
   small = wire.float32_allreduce_bits(leaves.elements("float32") + 1, n * m)
   inner = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
   onebit = layout.wire_bits() + inner + small
-  bits = jnp.where(variance_updated, float32_bits, jnp.where(exchanged, onebit, small))
+  bits = jnp.select([sent == _SENT_FLOAT32, sent == _SENT_ONEBIT], [float32_bits, onebit], small)
   return stats.make(bits, float32_bits, jnp.nan)
