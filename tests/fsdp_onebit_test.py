@@ -207,3 +207,19 @@ def test_bad_input_is_an_error_that_says_what_to_do():
 def test_docstring_examples():
   result = doctest.testmod(fsdp_onebit, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_nonfinite_cotangent_keeps_every_error_and_is_seen_everywhere():
+  _, error, _ = _program()
+  _, error = _run(error, 1, compress=True)
+  shards, _, mapped = _program()
+  data = _data(2)
+  data["w"][5, 3, 7] = np.nan  # One device's cotangent of one element.
+  data = jax.device_put(data, NamedSharding(MESH, P(AXIS)))
+  grads, new_error = jax.block_until_ready(mapped(shards, error, data, jnp.bool_(True)))
+  np.testing.assert_array_equal(np.asarray(new_error), np.asarray(error))
+  for name in ("w", "small"):  # A 1-bit leaf, and a float32 one on every device.
+    assert np.all(np.isnan(np.asarray(grads[name])))
+  # The next finite step goes on from the kept error.
+  grads, later = _run(new_error, 3, compress=True)
+  assert np.all(np.isfinite(np.asarray(later))) and np.all(np.isfinite(np.asarray(grads["w"])))

@@ -117,6 +117,13 @@ def fsdp_onebit_gather(
   (autodiff would add the new errors of two calls), on the cotangents of one
   loss whose scale does not change between steps.
 
+  A 1-bit step on which any device's cotangent holds a NaN or inf gives NaN
+  gradients on every device (each device's scales tell every other) and
+  returns the worker error as it was, so that one bad batch does not poison
+  the error for good: skip the optimizer's step when its gradients are not
+  finite (every device sees the same). While warming up, the float32
+  reduce-scatter carries a non-finite value to the shards it touches only.
+
   Args:
     shards: this device's shards, as for :func:`~qsgd_jax.fsdp_gather`
       (arrays joined along their first dimension, :class:`~qsgd_jax.FlatShard`,
@@ -286,6 +293,12 @@ def _onebit_reduce_scatter(config: _Config, cotangents, worker_error):
       for i, part in zip(onebit, _columns(compensated, config), strict=True)])
   nonnegative = compensated >= 0
   new_error = compensated - _scaled_signs(scales, nonnegative, valid, config)
+  # A device whose cotangents are not all finite sends NaN scales, so that every device,
+  # receiving every worker's scales, knows: the step's gradients are then NaN everywhere,
+  # and every device keeps its error as it was.
+  finite_here = jnp.all(jnp.isfinite(compensated)) & jnp.all(jnp.stack(
+      [jnp.all(jnp.isfinite(cotangents[i])) for i in range(len(cotangents))]))
+  scales = jnp.where(finite_here, scales, np.float32(np.nan))
   words = jax.vmap(lambda bits: packing.pack(bits.astype(jnp.uint32), 1))(nonnegative)
   scale_words = jax.lax.bitcast_convert_type(scales, jnp.uint32)
   send = jnp.concatenate([words, jnp.broadcast_to(scale_words, (n, len(onebit)))], axis=1)
@@ -293,12 +306,14 @@ def _onebit_reduce_scatter(config: _Config, cotangents, worker_error):
   sign_words = words.shape[1]
   bits = jax.vmap(lambda w: packing.unpack(w, config.width, 1))(received[:, :sign_words])
   received_scales = jax.lax.bitcast_convert_type(received[:, sign_words:], jnp.float32)
+  all_finite = jnp.all(jnp.isfinite(received_scales))
   mine = jnp.sum(_scaled_signs(received_scales, bits.astype(bool), valid[me][None], config),
                  axis=0)
   for i, part in zip(onebit, _columns(mine[None], config), strict=True):
     grads[i] = part.reshape(cotangents[i].shape[0] // n, *cotangents[i].shape[1:]).astype(
         cotangents[i].dtype)
-  return grads, new_error
+  grads = [jnp.where(all_finite, g, jnp.asarray(np.nan, g.dtype)) for g in grads]
+  return grads, jnp.where(all_finite, new_error, worker_error)
 
 
 def _valid(size: int, n: int, shard: int) -> jax.Array:
