@@ -285,7 +285,7 @@ def test_wrapping_in_apply_if_finite_is_refused_at_trace_time_under_pmap_and_sha
   tx = optax.apply_if_finite(optax.chain(qsgd_jax.qsgd(AXIS), optax.sgd(0.1)), 3)
   params = _stacked(_PARAMS)
   state = jax.pmap(tx.init, axis_name=AXIS)(params)
-  with pytest.raises(ValueError, match=r"compressed_allreduce is wrapped in "
+  with pytest.raises(ValueError, match=r"compressed_allreduce runs in a branch .*"
                      r"optax.apply_if_finite.*Put it after this transform"):
     jax.pmap(tx.update, axis_name=AXIS).lower(_gaussian(0), state)
   mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
@@ -295,13 +295,46 @@ def test_wrapping_in_apply_if_finite_is_refused_at_trace_time_under_pmap_and_sha
       _PARAMS)
   batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
                                sharding=NamedSharding(mesh, P(AXIS)))
-  with pytest.raises(ValueError, match="wrapped in optax.apply_if_finite"):
+  with pytest.raises(ValueError, match="each device computes for itself"):
     jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
   # The decentralized exchange likewise; its inner optimizer may be wrapped.
   ring = optax.apply_if_finite(qsgd_jax.low_precision_decentralized(optax.sgd(0.1), AXIS), 3)
   with pytest.raises(ValueError, match="Wrap the inner optimizer instead"):
     jax.pmap(ring.update, axis_name=AXIS).lower(
         _gaussian(0), jax.pmap(ring.init, axis_name=AXIS)(params), params)
+
+
+def test_per_device_predicates_are_refused_and_step_counts_allowed():
+  """By what a wrapper's predicate is, not by the wrapper's name: optax.MultiSteps skipping on
+  each device's own updates is refused; optax.conditionally_transform on a step count runs
+  (under pmap: under shard_map its branches, one passing each device's updates through and
+  one averaging them, differ in type, which JAX refuses before anything here)."""
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
+  params = _stacked(_PARAMS)
+  skipping = optax.MultiSteps(qsgd_jax.qsgd(AXIS), 2,
+                              should_skip_update_fn=optax.skip_not_finite)
+  counted = optax.conditionally_transform(
+      qsgd_jax.qsgd(AXIS), lambda step: step >= 1, forward_extra_args=False)
+  state = jax.pmap(skipping.init, axis_name=AXIS)(params)
+  with pytest.raises(ValueError, match="optax.MultiSteps with a should_skip_update_fn"):
+    jax.pmap(skipping.update, axis_name=AXIS).lower(_gaussian(0), state)
+  state = jax.pmap(counted.init, axis_name=AXIS)(params)
+  step = jax.pmap(counted.update, axis_name=AXIS)
+  grads = _gaussian(0)
+  updates, state = jax.block_until_ready(step(grads, state))
+  chex.assert_trees_all_equal(updates, grads)  # Step 0: passed through.
+  updates, state = jax.block_until_ready(step(grads, state))
+  assert_replicas_identical(updates)  # Step 1: averaged.
+  # Under shard_map the predicate's type says it: each device's own.
+  train = qsgd_jax.data_parallel(lambda p, batch: jnp.mean((p["w"] * batch) ** 2), skipping,
+                                 mesh)
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+      _PARAMS)
+  batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
+                               sharding=NamedSharding(mesh, P(AXIS)))
+  with pytest.raises(ValueError, match="each device computes for itself"):
+    jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
 
 
 def test_a_residual_overflowing_finite_updates_is_not_a_nonfinite_step():

@@ -11,6 +11,8 @@ and sizes from it.
 """
 
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 
@@ -183,39 +185,82 @@ def check_varying(tree, axes: Axes, owner: str) -> None:
       )
 
 
-# optax.apply_if_finite runs the transformation it wraps in this function of this file: one
-# branch of a jax.lax.cond whose predicate each device computes from its own updates.
-_APPLY_IF_FINITE_BRANCH = ("do_update", os.path.join("optax", "transforms", "_conditionality.py"))
+def check_not_in_apply_if_finite(owner: str, axis_name: AxisName, instead: str) -> None:
+  """Raises when traced in a branch that only some devices of ``axis_name`` may take.
 
+  A transform with collectives over ``axis_name`` must run on every device
+  of it together. ``optax.apply_if_finite(inner)`` runs ``inner`` in one
+  branch of a ``jax.lax.cond`` whose predicate each device computes from its
+  own updates, and so does ``optax.MultiSteps`` given a
+  ``should_skip_update_fn`` (``optax.skip_not_finite``): a device whose
+  gradient is not finite takes the other branch, and the others wait for it
+  in the branch's collectives until the runtime gives up. A predicate that is
+  the same on every device (a step count, as in
+  ``optax.conditionally_transform``) is safe.
 
-def check_not_in_apply_if_finite(owner: str, instead: str) -> None:
-  """Raises when traced inside ``optax.apply_if_finite``, whose devices would hang.
-
-  ``apply_if_finite(inner)`` tests each device's own updates for NaN and inf
-  and runs ``inner`` in one branch of a ``jax.lax.cond``: a device whose
-  gradient is not finite takes the other branch, and the devices that took
-  this one wait in its collectives for it until the runtime gives up (under
-  ``jax.pmap``; ``jax.shard_map`` refuses the branches' types with a less
-  direct message). The predicate is a value, known only when the step runs:
-  trace time can only tell where the trace is, so the Python frames that
-  called this are read for ``apply_if_finite``'s branch.
+  Every ``jax.lax.cond`` that encloses this trace is read, by its predicate:
+  a constant is safe; under ``jax.shard_map``, which types each value as
+  varying over an axis or not, the predicate must not vary over
+  ``axis_name``; under ``jax.pmap``, which does not type values so, the
+  branches of the two optax wrappers above whose predicate is read from each
+  device's own updates are refused, and other predicates are trusted.
 
   Args:
     owner: the transformation, named in the error.
+    axis_name: the axes of its collectives.
     instead: what to do instead, the error's last sentence.
 
   Raises:
     ValueError: naming ``owner``, the reason and ``instead``.
   """
-  name, path = _APPLY_IF_FINITE_BRANCH
+  if axis_name is None:
+    return
+  try:
+    names = tracked(parse(axis_name, owner).names)
+  except NameError:  # Unbound: the transform's own check says so.
+    return
+  cond_code, per_device_callers = _branch_codes()
   frame = sys._getframe(1)
   while frame is not None:
-    if frame.f_code.co_name == name and frame.f_code.co_filename.endswith(path):
-      raise ValueError(
-          f"{owner} is wrapped in optax.apply_if_finite, which tests each device's own "
-          "updates: devices that disagree would take different branches around its "
-          f"collectives and hang. {instead}")
+    if frame.f_code is cond_code:
+      predicate = frame.f_locals.get("pred")
+      if isinstance(predicate, jax.core.Tracer) and _per_device(
+          predicate, names, _caller(frame), per_device_callers):
+        raise ValueError(
+            f"{owner} runs in a branch of a jax.lax.cond whose predicate each device "
+            "computes for itself (optax.apply_if_finite, or optax.MultiSteps with a "
+            "should_skip_update_fn, test each device's own updates): devices that disagree "
+            f"would take different branches around its collectives and hang. {instead}")
     frame = frame.f_back
+
+
+def _per_device(predicate, names: tuple[str, ...], caller, per_device_callers) -> bool:
+  """Whether a traced ``cond`` predicate may differ between the devices of ``names``."""
+  if names:
+    varying = jax.typeof(predicate).manual_axis_type.varying
+    return any(name in varying for name in names)
+  return caller is not None and caller.f_code in per_device_callers
+
+
+def _caller(frame):
+  """The first frame above ``frame`` that is not JAX's own (its API wrappers)."""
+  jax_dir = os.path.dirname(jax.__file__)
+  frame = frame.f_back
+  while frame is not None and frame.f_code.co_filename.startswith(jax_dir):
+    frame = frame.f_back
+  return frame
+
+
+@functools.cache
+def _branch_codes():
+  """The code of ``jax.lax.cond``, and of the optax updates that call it on a per-device
+  predicate read from the updates (taken from the public objects, not from file names)."""
+  import optax
+
+  cond = inspect.unwrap(jax.lax.cond).__code__
+  apply_if_finite = optax.apply_if_finite(optax.identity(), 1).update.__code__
+  multi_steps = inspect.unwrap(optax.MultiSteps.update).__code__
+  return cond, frozenset((apply_if_finite, multi_steps))
 
 
 def _bound_size(name: str, owner: str) -> int:

@@ -244,7 +244,7 @@ def low_precision_decentralized(
       )
     base.check_float_leaves(params, "low_precision_decentralized")
     axes.check_not_in_apply_if_finite(
-        "qsgd_jax.low_precision_decentralized",
+        "qsgd_jax.low_precision_decentralized", axis_name,
         "Wrap the inner optimizer instead, low_precision_decentralized(optax.apply_if_finite("
         "optax.sgd(...), max_consecutive_errors), ...): each worker then skips its own "
         "non-finite step and still exchanges with its peers.")

@@ -205,8 +205,9 @@ def scale_by_onebit_adam(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     axes_lib.check_not_in_apply_if_finite(
-        owner, "qsgd_jax.onebit_adam already skips a non-finite step on every device together; "
-        "around this core, put optax.apply_if_finite after it in the chain, as onebit_adam does.")
+        owner, axis_name, "qsgd_jax.onebit_adam already skips a non-finite step on every "
+        "device together; around this core, put optax.apply_if_finite after it in the chain, "
+        "as onebit_adam does.")
     if not isinstance(state, ScaleByOneBitAdamState):
       raise TypeError(
           f"{owner}: the state is a {type(state).__name__}, not a ScaleByOneBitAdamState: "

@@ -212,8 +212,9 @@ def powersgd(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     axes.check_not_in_apply_if_finite(
-        "qsgd_jax.powersgd", "Put it after this transform in the chain instead: a non-finite "
-        "value on any device makes every device's output non-finite, so all skip together.")
+        "qsgd_jax.powersgd", axis_name, "Put it after this transform in the chain instead: a "
+        "non-finite value on any device makes every device's output non-finite, so all skip "
+        "together.")
     plan = make_plan(updates)
     _check_state(plan, state, use_error_feedback)
     sizes = reduction_axes.sizes(_OWNER)

@@ -226,7 +226,8 @@ def compressed_allreduce(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     if axis_name is not None:
-      axes.check_not_in_apply_if_finite("qsgd_jax.compressed_allreduce", _APPLY_IF_FINITE_AFTER)
+      axes.check_not_in_apply_if_finite("qsgd_jax.compressed_allreduce", axis_name,
+                                        _APPLY_IF_FINITE_AFTER)
     reduction_plan = make_plan(updates)
     _check_residual_shapes(reduction_plan, state, axis_size)
     _warn_if_little_is_compressed(reduction_plan)

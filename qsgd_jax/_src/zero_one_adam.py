@@ -285,7 +285,8 @@ def zero_one_adam(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     axes_lib.check_not_in_apply_if_finite(
-        owner, "It skips a non-finite step on every device together by itself: use it unwrapped.")
+        owner, axis_name,
+        "It skips a non-finite step on every device together by itself: use it unwrapped.")
     if not isinstance(state, ZeroOneAdamState):
       raise TypeError(
           f"{owner}: the state is a {type(state).__name__}, not a ZeroOneAdamState: pass the "
