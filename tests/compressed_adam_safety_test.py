@@ -189,3 +189,18 @@ def test_a_gradient_already_summed_over_the_axis_is_refused(make):
   mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
   with pytest.raises(ValueError, match=r"\['w'\] is replicated over axis 'batch'"):
     jax.jit(mapped)(params, x)
+
+
+def test_zero_one_adams_local_steps_under_replicated_parameters_say_what_to_do():
+  mesh = jax.make_mesh((N,), (AXIS,))
+  params = {"w": jnp.zeros((64, 80))}
+  x = jax.device_put(jnp.ones((N, 64)), NamedSharding(mesh, P(AXIS)))
+
+  def loss_fn(params, x):
+    return jnp.mean(x @ params["w"])
+
+  train = qsgd_jax.data_parallel(loss_fn, qsgd_jax.zero_one_adam(1e-3, AXIS, var_freeze_step=3),
+                                 mesh)
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  with pytest.raises(ValueError, match=r"local_step_clipper=16 .* local_step_clipper=1"):
+    train.step(p, train.init(p), x)

@@ -15,6 +15,8 @@ import functools
 import inspect
 import os
 import sys
+import types
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -219,13 +221,13 @@ def check_not_in_apply_if_finite(owner: str, axis_name: AxisName, instead: str) 
     names = tracked(parse(axis_name, owner).names)
   except NameError:  # Unbound: the transform's own check says so.
     return
-  cond_code, per_device_callers = _branch_codes()
+  codes = _branch_codes()
   frame = sys._getframe(1)
   while frame is not None:
-    if frame.f_code is cond_code:
+    if frame.f_code is codes.cond:
       predicate = frame.f_locals.get("pred")
       if isinstance(predicate, jax.core.Tracer) and _per_device(
-          predicate, names, _caller(frame), per_device_callers):
+          predicate, names, _caller(frame), codes):
         raise ValueError(
             f"{owner} runs in a branch of a jax.lax.cond whose predicate each device "
             "computes for itself (optax.apply_if_finite, or optax.MultiSteps with a "
@@ -234,12 +236,19 @@ def check_not_in_apply_if_finite(owner: str, axis_name: AxisName, instead: str) 
     frame = frame.f_back
 
 
-def _per_device(predicate, names: tuple[str, ...], caller, per_device_callers) -> bool:
+def _per_device(predicate, names: tuple[str, ...], caller, codes: "_BranchCodes") -> bool:
   """Whether a traced ``cond`` predicate may differ between the devices of ``names``."""
   if names:
     varying = jax.typeof(predicate).manual_axis_type.varying
     return any(name in varying for name in names)
-  return caller is not None and caller.f_code in per_device_callers
+  if caller is None:
+    return False
+  if caller.f_code is codes.apply_if_finite:
+    return True
+  if caller.f_code is codes.multi_steps:  # Its default predicate is a constant False.
+    skip = getattr(caller.f_locals.get("self"), "_should_skip_update_fn", None)
+    return getattr(skip, "__code__", None) is not codes.never_skip
+  return False
 
 
 def _caller(frame):
@@ -251,16 +260,24 @@ def _caller(frame):
   return frame
 
 
+class _BranchCodes(NamedTuple):
+  cond: types.CodeType
+  apply_if_finite: types.CodeType
+  multi_steps: types.CodeType
+  never_skip: types.CodeType
+
+
 @functools.cache
-def _branch_codes():
-  """The code of ``jax.lax.cond``, and of the optax updates that call it on a per-device
-  predicate read from the updates (taken from the public objects, not from file names)."""
+def _branch_codes() -> _BranchCodes:
+  """The code of ``jax.lax.cond``, and of the optax updates that call it on a predicate of each
+  device's own updates (taken from the objects optax makes, not from file names)."""
   import optax
 
-  cond = inspect.unwrap(jax.lax.cond).__code__
-  apply_if_finite = optax.apply_if_finite(optax.identity(), 1).update.__code__
-  multi_steps = inspect.unwrap(optax.MultiSteps.update).__code__
-  return cond, frozenset((apply_if_finite, multi_steps))
+  return _BranchCodes(
+      cond=inspect.unwrap(jax.lax.cond).__code__,
+      apply_if_finite=optax.apply_if_finite(optax.identity(), 1).update.__code__,
+      multi_steps=inspect.unwrap(optax.MultiSteps.update).__code__,
+      never_skip=optax.MultiSteps(optax.identity(), 1)._should_skip_update_fn.__code__)
 
 
 def _bound_size(name: str, owner: str) -> int:

@@ -38,9 +38,9 @@ class ZeroOneAdamState(NamedTuple):
     local_counter: ``int32[]``, frozen steps at this interval.
     learning_rate_sum: ``float32[]``, the learning rates since the last
       synchronization (``lrs``).
-    freeze_count: ``int32[]``, the count from which the variance is frozen
-      (``var_freeze_step + 1``; with ``"auto"``, the count chosen, ``2**31 -
-      1`` until then).
+    freeze_count: ``int32[]``, the variance is frozen in the updates taken when
+      ``count`` is at least this (``var_freeze_step + 1``; with ``"auto"``,
+      the count chosen, ``2**31 - 1`` until then).
     variance_history: ``float32[window, leaves]`` with ``"auto"``, else ``()``.
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
 
@@ -157,17 +157,17 @@ def zero_one_adam(
     the momentum takes the 1-bit average. After ``var_update_scaler``
     variance updates at an interval, the interval doubles. The update is
     :math:`-\eta_t (\hat m / (\sqrt{\hat v} + \epsilon) + \lambda p)`.
-  * From count ``var_freeze_step + 1`` on (DeepSpeed freezes after the step
-    whose count exceeds ``var_freeze_step``, and zeroes the exchange's errors
-    then) the variance is fixed and each device steps on its own momentum of
-    its own gradients, summing its updates in an accumulator ``a``; at counts
-    that are multiples of the local interval (``1`` at first) the devices
-    synchronize: each undoes its local steps, the 1-bit exchange averages
-    :math:`a (\sqrt{\hat v} + \epsilon)`, giving :math:`u`, the momentum
-    becomes :math:`-u / \sum \eta` and the parameters move by
-    :math:`u / (\sqrt{\hat v} + \epsilon)` from the last synchronized point.
-    After ``local_step_scaler`` frozen steps at an interval it doubles, up to
-    ``local_step_clipper``.
+  * After the first ``var_freeze_step + 1`` updates (DeepSpeed freezes after
+    the step whose count exceeds ``var_freeze_step``, its first call only
+    counting, and zeroes the exchange's errors then) the variance is fixed
+    and each device steps on its own momentum of its own gradients, summing
+    its updates in an accumulator ``a``; at counts that are multiples of the
+    local interval (``1`` at first) the devices synchronize: each undoes its
+    local steps, the 1-bit exchange averages :math:`a (\sqrt{\hat v} +
+    \epsilon)`, giving :math:`u`, the momentum becomes :math:`-u / \sum
+    \eta` and the parameters move by :math:`u / (\sqrt{\hat v} + \epsilon)`
+    from the last synchronized point. After ``local_step_scaler`` frozen
+    steps at an interval it doubles, up to ``local_step_clipper``.
 
   Between synchronizations the devices' parameters and momenta differ: with
   ``local_step_clipper > 1`` hold one model per device (``jax.pmap``, or
@@ -201,8 +201,9 @@ def zero_one_adam(
     learning_rate: a float or an optax schedule (of the count).
     axis_name: the mapped axis (or ``(outer, inner, ...)``: inner axes averaged
       in float32 first, only the outer one crossed by 1-bit exchanges).
-    var_freeze_step: the last count whose step may still update the
-      variance, or ``"auto"``.
+    var_freeze_step: the variance may change in the first
+      ``var_freeze_step + 1`` updates and is frozen from then on (DeepSpeed's
+      setting of the same name, whose first call only counts); or ``"auto"``.
     b1, b2, eps: Adam's.
     weight_decay, mask: decoupled weight decay and its mask, as in
       ``optax.adamw``; added to the Adam ratio, as DeepSpeed does.
@@ -297,6 +298,8 @@ def zero_one_adam(
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
     axes_lib.check_varying(updates, axes, owner)
+    if local_steps:
+      _check_params_per_device(params, axes, local_step_clipper)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
     common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
@@ -514,6 +517,23 @@ def _decayed(mask, params, count: int) -> list[bool]:
         f"qsgd_jax.zero_one_adam: mask has {len(flags)} leaves and the parameters {count}: "
         "give one bool a leaf, in the parameters' structure (or a callable returning it).")
   return [bool(flag) for flag in flags]
+
+
+def _check_params_per_device(params, axes: axes_lib.Axes, local_step_clipper: int) -> None:
+  """Raises where ``jax.shard_map`` holds the parameters replicated over the outer axis, which
+  local steps would make differ between devices."""
+  names = axes_lib.tracked((axes.outer,))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if names and names[0] not in jax.typeof(leaf).manual_axis_type.varying:
+      raise ValueError(
+          f"qsgd_jax.zero_one_adam: params{jax.tree_util.keystr(path)} is replicated over axis "
+          f"{axes.outer!r}, but with local_step_clipper={local_step_clipper} the devices take "
+          "local steps after the freeze, and each device's parameters and momentum then differ. "
+          "Either pass local_step_clipper=1 (every frozen step synchronizes, parameters stay "
+          "replicated: what qsgd_jax.data_parallel needs), or hold one copy of the parameters "
+          f"a device: jax.pmap, or jax.shard_map with params laid out along {axes.outer!r} "
+          "(a leading axis of the device count, in_specs and out_specs P(axis)), and the "
+          "state laid out by qsgd_jax.state_partition_specs.")
 
 
 def _as_float32(deltas: list) -> list:
