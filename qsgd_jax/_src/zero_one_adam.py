@@ -5,12 +5,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from qsgd_jax._src import axes as axes_lib
 from qsgd_jax._src import compressed_adam as common
-from qsgd_jax._src import sign_exchange, stats, wire
+from qsgd_jax._src import sign_exchange, stats, wire, zero_one_step
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -68,55 +67,6 @@ class ZeroOneAdamState(NamedTuple):
   freeze_count: jax.Array
   variance_history: jax.Array | tuple[()]
   stats: stats.CompressionStats
-
-
-# What a step sends besides the float32 leaves: every float leaf in float32, the compressed
-# ones by the 1-bit exchange, or nothing more.
-_SENT_FLOAT32, _SENT_ONEBIT, _SENT_SMALL = np.int32(0), np.int32(1), np.int32(2)
-
-
-class _Moments(NamedTuple):
-  """What a step before the freeze computes, in either of its branches."""
-
-  mu: list[jax.Array]  # In the state's dtypes.
-  nu: list[jax.Array]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
-  finite: jax.Array  # bool[]: the same on every device.
-  variance_updates: jax.Array  # int32[]
-
-
-class _Synchronized(NamedTuple):
-  """What a step after the freeze computes, synchronizing or stepping locally."""
-
-  deltas: list  # float32 updates, None for a leaf that is not optimized.
-  mu: list[jax.Array]
-  accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
-  finite: jax.Array
-  learning_rate_sum: jax.Array
-  sent: jax.Array  # int32[], one of _SENT_*.
-
-
-class _Outcome(NamedTuple):
-  """A step's new state and updates, the same fields and dtypes before and after the freeze."""
-
-  deltas: list
-  mu: list[jax.Array]
-  nu: list[jax.Array]
-  accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
-  finite: jax.Array
-  variance_interval: jax.Array
-  variance_counter: jax.Array
-  variance_updates: jax.Array
-  local_interval: jax.Array
-  local_counter: jax.Array
-  learning_rate_sum: jax.Array
-  variance_updated: jax.Array
-  sent: jax.Array
 
 
 def zero_one_adam(
@@ -248,15 +198,11 @@ def zero_one_adam(
   axes = axes_lib.parse(axis_name, owner)
   auto = common.auto_freeze(owner, var_freeze_step, auto_freeze_window,
                             auto_freeze_tolerance)
-  schedule = common.as_callable_schedule(learning_rate)
-  local_steps = local_step_clipper > 1
-  decay_mask = mask
-
-  def per_device(tree):
-    """``tree`` typed as varying over the axes where local steps can make devices differ."""
-    if not local_steps or axes.is_local:
-      return tree
-    return jax.tree.map(lambda x: axes_lib.as_varying(x, axes.name), tree)
+  settings = zero_one_step.Settings(
+      axes=axes, schedule=common.as_callable_schedule(learning_rate), b1=b1, b2=b2, eps=eps,
+      weight_decay=weight_decay, bias_correction=bias_correction,
+      var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+      local_step_clipper=local_step_clipper)
 
   def init_fn(params):
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
@@ -271,7 +217,7 @@ def zero_one_adam(
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
         nu=common.variance_zeros(params),
         accumulator=tuple(jnp.zeros(jnp.shape(flat[i]), jnp.float32)
-                          for i in leaves.compressed) if local_steps else (),
+                          for i in leaves.compressed) if settings.local_steps else (),
         worker_error=worker_error,
         server_error=server_error,
         variance_interval=one, variance_counter=zero, variance_updates=zero,
@@ -298,170 +244,15 @@ def zero_one_adam(
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
     axes_lib.check_varying(updates, axes, owner)
-    if local_steps:
+    if settings.local_steps:
       _check_params_per_device(params, axes, local_step_clipper)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
     common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
-    flat_params = jax.tree.leaves(params)
-    decayed = _decayed(decay_mask, params, len(grads))
-    mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-    compressed, small = leaves.compressed, leaves.float32
-    count = optax.safe_increment(state.count)
+    step = zero_one_step.Step(settings, state, grads, jax.tree.leaves(params),
+                              _decayed(mask, params, len(grads)), leaves, sizes).run()
+    count, compressed = optax.safe_increment(state.count), leaves.compressed
     frozen = state.count >= state.freeze_count
-    lr = jnp.asarray(schedule(state.count), jnp.float32)
-    c1 = 1 - b1 ** count if bias_correction else 1.0
-
-    def denominator(v, updates_count):
-      v_hat = optax.tree.bias_correction(v, b2, updates_count) if bias_correction else v
-      return jnp.sqrt(v_hat) + eps
-
-    def step_of(i, m, denom):
-      m_hat = m / c1 if bias_correction else m
-      update = m_hat / denom
-      if decayed[i]:
-        update = update + weight_decay * flat_params[i]
-      return -lr * update
-
-    def as_stored(new_mu, new_nu):
-      """The moments in the state's dtypes: every branch returns them so."""
-      return common.cast_like(new_mu, mu), common.cast_like(new_nu, nu)
-
-    def small_path(new_mu, new_nu, flag):
-      """The float32 leaves' plain Adam step; ``flag`` (this device's) travels with them."""
-      means = common.pmean_float32([grads[i] for i in small] + [flag.astype(jnp.float32)], axes)
-      flag = means.pop()
-      for i, mean in zip(small, means, strict=True):
-        new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
-        new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
-      return new_mu, new_nu, (flag == 0) & common.all_finite(means)
-
-    def variance_step(_):
-      indices = tuple(sorted(compressed + small))
-      means = common.pmean_float32([grads[i] for i in indices], axes)
-      new_mu, new_nu = list(mu), list(nu)
-      for i, mean in zip(indices, means, strict=True):
-        new_mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
-        new_nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
-      return _Moments(*as_stored(new_mu, new_nu), state.worker_error, state.server_error,
-                      common.all_finite(means), state.variance_updates + 1)
-
-    def onebit_step(_):
-      out = common.exchange([grads[i] for i in compressed], state.worker_error,
-                            state.server_error, leaves, axes, sizes)
-      new_mu = list(mu)
-      for i, vector in zip(compressed, out.vectors, strict=True):
-        new_mu[i] = common.unseen_masked(optax.tree.update_moment(vector, mu[i], b1, 1), nu[i])
-      new_mu, new_nu, finite = small_path(new_mu, list(nu), jnp.bool_(False))
-      return _Moments(*as_stored(new_mu, new_nu), out.worker_error, out.server_error,
-                      out.all_finite & finite, state.variance_updates)
-
-    def warm(_):
-      is_variance_step = count % state.variance_interval == 0
-      moments = jax.lax.cond(is_variance_step, variance_step, onebit_step, None)
-      deltas = []
-      for i in range(len(grads)):
-        if leaves.kinds[i] == "other":
-          deltas.append(None)
-          continue
-        v_count = moments.variance_updates if leaves.kinds[i] == "compressed" else count
-        deltas.append(step_of(i, moments.mu[i], denominator(moments.nu[i], v_count)))
-      counter = state.variance_counter + is_variance_step.astype(jnp.int32)
-      doubled = counter == var_update_scaler
-      return _Outcome(
-          deltas=per_device(_as_float32(deltas)), mu=moments.mu, nu=moments.nu,
-          accumulator=state.accumulator, worker_error=moments.worker_error,
-          server_error=moments.server_error, finite=moments.finite,
-          variance_interval=jnp.where(doubled, 2 * state.variance_interval,
-                                      state.variance_interval),
-          variance_counter=jnp.where(doubled, 0, counter),
-          variance_updates=moments.variance_updates,
-          local_interval=state.local_interval, local_counter=state.local_counter,
-          learning_rate_sum=state.learning_rate_sum,
-          variance_updated=is_variance_step,
-          sent=jnp.where(is_variance_step, _SENT_FLOAT32, _SENT_ONEBIT))
-
-    def frozen_step(_):
-      lr_sum = state.learning_rate_sum + lr
-      local = common.inner_mean([grads[i] for i in compressed], axes)
-      local_flag = jnp.logical_not(common.all_finite([grads[i] for i in compressed]))
-      new_mu, new_nu, finite = small_path(list(mu), list(nu), local_flag)
-      deltas = [None] * len(grads)
-      denominators = {}
-      for k, i in enumerate(compressed):
-        new_mu[i] = common.unseen_masked(optax.tree.update_moment(local[k], mu[i], b1, 1),
-                                         nu[i])
-        denominators[i] = denominator(nu[i], state.variance_updates)
-        deltas[i] = step_of(i, new_mu[i], denominators[i])
-      for i in small:
-        deltas[i] = step_of(i, new_mu[i], denominator(new_nu[i], count))
-      deltas = _as_float32(deltas)
-      accumulator = (tuple(a + deltas[i] for a, i in zip(state.accumulator, compressed,
-                                                         strict=True))
-                     if local_steps else tuple(deltas[i] for i in compressed))
-      new_mu, new_nu = as_stored(new_mu, new_nu)
-
-      def synchronized(sync_mu, sync_deltas, average, moved):
-        """The outcome of a synchronization: the compressed leaves' momentum ``average`` and
-        the parameters ``moved`` from the last synchronized point."""
-        for k, i in enumerate(compressed):
-          sync_mu[i] = common.unseen_masked(average[k], nu[i])
-          sync_deltas[i] = moved[k] - state.accumulator[k] if local_steps else moved[k]
-        zeros = tuple(jnp.zeros_like(a) for a in accumulator) if local_steps else ()
-        return (per_device(_as_float32(sync_deltas)),
-                per_device(common.cast_like(sync_mu, mu)), per_device(zeros))
-
-      def onebit_sync(_):
-        scaled = [a * denominators[i] for a, i in zip(accumulator, compressed, strict=True)]
-        out = common.exchange(scaled, state.worker_error, state.server_error, leaves, axes,
-                              sizes)
-        average = [-(u / lr_sum) * c1 for u in out.vectors]
-        moved = [common.unseen_masked(u / denominators[i], nu[i])
-                 for u, i in zip(out.vectors, compressed, strict=True)]
-        sync_deltas, sync_mu, zeros = synchronized(list(new_mu), list(deltas), average, moved)
-        return _Synchronized(sync_deltas, sync_mu, zeros, out.worker_error, out.server_error,
-                             out.all_finite & common.all_finite(average), jnp.float32(0),
-                             _SENT_ONEBIT)
-
-      def momentum_sync(_):
-        # Every learning rate since the last synchronization was zero (a warm restart, a
-        # schedule decayed to zero): nothing moved, and the momentum cannot be read back from
-        # the movement (0 / 0). The devices average their momenta in float32 instead, as
-        # AdamW's would be, and the parameters stay; the exchange's errors are untouched.
-        average = common.pmean_float32([new_mu[i] for i in compressed], axes)
-        moved = [jnp.zeros(a.shape, a.dtype) for a in accumulator]
-        sync_deltas, sync_mu, zeros = synchronized(list(new_mu), list(deltas), average, moved)
-        return _Synchronized(sync_deltas, sync_mu, zeros, state.worker_error,
-                             state.server_error, common.all_finite(average), jnp.float32(0),
-                             _SENT_FLOAT32)
-
-      def synchronize_all(_):
-        return jax.lax.cond(lr_sum > 0, onebit_sync, momentum_sync, None)
-
-      def local_step(_):
-        return _Synchronized(per_device(deltas), per_device(new_mu), accumulator,
-                             state.worker_error, state.server_error, jnp.bool_(True), lr_sum,
-                             _SENT_SMALL)
-
-      synchronize = count % state.local_interval == 0
-      if local_steps:
-        sync = jax.lax.cond(synchronize, synchronize_all, local_step, None)
-      else:
-        sync = synchronize_all(None)
-      counter = state.local_counter + 1
-      doubled = counter == local_step_scaler
-      return _Outcome(
-          deltas=per_device(sync.deltas), mu=sync.mu, nu=new_nu, accumulator=sync.accumulator,
-          worker_error=sync.worker_error, server_error=sync.server_error,
-          finite=finite & sync.finite, variance_interval=state.variance_interval,
-          variance_counter=state.variance_counter, variance_updates=state.variance_updates,
-          local_interval=jnp.where(
-              doubled, jnp.minimum(local_step_clipper, 2 * state.local_interval),
-              state.local_interval),
-          local_counter=jnp.where(doubled, 0, counter), learning_rate_sum=sync.learning_rate_sum,
-          variance_updated=jnp.bool_(False), sent=sync.sent)
-
-    step = jax.lax.cond(frozen, frozen_step, warm, None)
 
     freeze_count, history = state.freeze_count, state.variance_history
     if auto and compressed:
@@ -536,11 +327,6 @@ def _check_params_per_device(params, axes: axes_lib.Axes, local_step_clipper: in
           "state laid out by qsgd_jax.state_partition_specs.")
 
 
-def _as_float32(deltas: list) -> list:
-  """Each update (``None`` for a leaf that is not optimized) in float32, in every branch."""
-  return [None if d is None else d.astype(jnp.float32) for d in deltas]
-
-
 def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
            sizes: tuple[int, ...]) -> stats.CompressionStats:
   """What the step sent: the float32 leaves (with the finiteness flag) every step, and all the
@@ -554,5 +340,6 @@ def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLay
   small = wire.float32_allreduce_bits(leaves.elements("float32") + 1, n * m)
   inner = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
   onebit = layout.wire_bits() + inner + small
-  bits = jnp.select([sent == _SENT_FLOAT32, sent == _SENT_ONEBIT], [float32_bits, onebit], small)
+  bits = jnp.select([sent == zero_one_step.SENT_FLOAT32, sent == zero_one_step.SENT_ONEBIT],
+                    [float32_bits, onebit], small)
   return stats.make(bits, float32_bits, jnp.nan)
