@@ -217,6 +217,21 @@ def test_aux_extra_arguments_and_donation():
   assert aux["examples"].dtype == jnp.int32 and int(aux["examples"]) == 16
 
 
+def _weighted_loss(params, batch):
+  return batch["weight"] * loss_fn(params, (batch["x"], batch["y"])) + 0 * batch["step"]
+
+
+def test_scalar_batch_leaves_reach_every_device_whole():
+  mesh = _mesh()
+  init, train_step, _ = qsgd_jax.data_parallel(_weighted_loss, make_optimizer(), mesh)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  batch = {"x": INPUTS[0], "y": TARGETS[0], "weight": jnp.float32(0.5), "step": 3}
+  new_params, _, loss = jax.block_until_ready(train_step(params, init(params), batch))
+  assert float(loss) == pytest.approx(
+      0.5 * float(loss_fn(PARAMS, (INPUTS[0], TARGETS[0]))), rel=1e-5)
+  assert_replicas_identical(_device_copies(new_params))
+
+
 def test_two_level_mesh_quantizes_over_the_outer_axis():
   axis_names = ("node", "local")
   # Auto axes here, Explicit ones (jax.make_mesh's default) elsewhere: both work.

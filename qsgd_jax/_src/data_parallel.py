@@ -71,9 +71,12 @@ def data_parallel(
       params, opt_state, loss = train_step(params, opt_state, batch)
 
   The batch may be numpy arrays, or arrays laid out otherwise: ``step`` splits
-  it over the mesh (the whole batch is copied to the devices first; for large
-  batches, ``jax.device_put`` it with ``NamedSharding(mesh, P("batch"))``,
-  or in several processes ``jax.make_array_from_process_local_data``).
+  each leaf along its first dimension over the mesh; a scalar leaf (a step
+  number, a loss weight) has no dimension to split and reaches every device
+  whole, like an extra argument of ``step``. (The whole batch is copied to
+  the devices first; for large batches, ``jax.device_put`` it with
+  ``NamedSharding(mesh, P("batch"))``, or in several processes
+  ``jax.make_array_from_process_local_data``.)
 
   ``step`` runs, under ``jax.shard_map`` over ``axis_name``:
 
@@ -180,9 +183,11 @@ def data_parallel(
   def step(params, opt_state, batch, *args):
     specs = state_specs(params)
     batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
+    # A scalar has no dimension to split: every device gets it whole.
+    batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
     return jax.shard_map(
         device_step, mesh=mesh,
-        in_specs=(P(), specs, split, *(P() for _ in args)),
+        in_specs=(P(), specs, batch_specs, *(P() for _ in args)),
         out_specs=(P(), specs, P()),
     )(params, opt_state, batch, *args)
 
