@@ -21,9 +21,14 @@ class EliasSize(NamedTuple):
   Each bucket is one coded vector: its 32-bit scale, then its levels.
 
   Attributes:
-    sparse: ``int32[]``, every bucket in the sparse variant.
-    dense: ``int32[]``, every bucket in the dense variant.
-    smaller: ``int32[]``, each bucket in whichever variant is shorter for it.
+    sparse: ``float32[]``, every bucket in the sparse variant.
+    dense: ``float32[]``, every bucket in the dense variant.
+    smaller: ``float32[]``, each bucket in whichever variant is shorter for it.
+
+  Counts in float32, which cannot wrap as an int32 sum would past ``2**31``
+  bits (a billion-parameter payload takes about ``1.2e10``): exact up to
+  ``2**24`` bits, within float32's rounding past it
+  (:func:`qsgd_jax.elias.total_bits`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -252,11 +257,12 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     size = math.prod(payload.shape)
     bucket_len = self._bucket_len(size)
     levels = base.to_buckets(self.signed_levels(payload), bucket_len)
-    sparse = jax.vmap(lambda v: elias.encoded_bits(v, variant="sparse"))(levels)
-    dense = jax.vmap(lambda v: elias.encoded_bits(v, variant="dense"))(levels)
+    # Each bucket's count, and their sum, in float32: an int32 sum wraps past 2**31 bits.
+    sparse = jax.vmap(lambda v: elias.total_bits(v, variant="sparse"))(levels)
+    dense = jax.vmap(lambda v: elias.total_bits(v, variant="dense"))(levels)
     # The last bucket's zero padding: free when sparse, 2 bits each when dense.
     padding = levels.size - size
-    dense = dense.at[-1].add(-padding * elias.omega_length(jnp.int32(1)) - padding)
+    dense = dense.at[-1].add(-padding * (1 + elias.omega_length(jnp.int32(1))).astype(jnp.float32))
     return EliasSize(
         sparse=jnp.sum(sparse), dense=jnp.sum(dense), smaller=jnp.sum(jnp.minimum(sparse, dense))
     )
