@@ -161,7 +161,30 @@ def data_parallel(
     stacked = jax.eval_shape(
         jax.shard_map(device_state, mesh=mesh, in_specs=P(), out_specs=split), params)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    return state_partition_specs(shapes, axis)
+    specs = state_partition_specs(shapes, axis)
+    # A state that state_partition_specs does not know may hold per-device arrays: lay out
+    # each leaf along the axes the update makes it vary over. Laying one out may make others
+    # vary, so until nothing changes (each round only turns replicated leaves per device).
+    while True:
+      specs, changed = _per_device_specs(
+          shapes, specs, _updated_state_varying(params, specs), names)
+      if not changed:
+        return specs
+
+  def _updated_state_varying(params, specs):
+    """For each leaf of the state, the axes the update's new state varies over."""
+    found = []
+
+    def probe(params, opt_state):
+      _, new_state = optimizer.update(axes.as_varying(params, axis), opt_state, params)
+      found.append([_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)])
+      return jnp.zeros(())
+
+    global_shapes = jax.eval_shape(
+        jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs), out_specs=P()),
+                   params, global_shapes)
+    return found[0]
 
   def init(params):
     specs = state_specs(params)
@@ -212,6 +235,51 @@ def _split(x, mesh: jax.sharding.Mesh, spec: P):
   if isinstance(sharding, NamedSharding) and sharding.spec[:1] == spec[:1]:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _per_device_specs(shapes, specs, varying, names: tuple[str, ...]):
+  """``(specs, changed)``: ``specs`` with each leaf that ``specs`` replicates but that
+  ``varying`` says varies over some of ``names`` laid out along those axes.
+
+  Raises:
+    ValueError: such a leaf is a scalar, which has no dimension to lay out.
+  """
+  is_spec = lambda node: isinstance(node, P)  # noqa: E731
+  spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+  paths_and_shapes = jax.tree_util.tree_leaves_with_path(shapes)
+  out, changed = [], False
+  for (path, shape), spec, axes_of in zip(paths_and_shapes, spec_leaves, varying, strict=True):
+    if spec != P() or not axes_of:
+      out.append(spec)
+      continue
+    state_type = type(_innermost_state(shapes, path)).__name__
+    if len(shape.shape) == 0:
+      raise ValueError(
+          f"data_parallel: the optimizer's state{jax.tree_util.keystr(path)}, a scalar in "
+          f"a {state_type}, differs per device over {axes_of} after the update, and a "
+          "scalar has no dimension to lay out along the axis (state_partition_specs does "
+          f"not know {state_type}). Keep that per-device value in an array of shape (1,), "
+          "or make the state the same on every device (average what it holds).")
+    out.append(P(axes_of if len(axes_of) > 1 else axes_of[0]))
+    changed = True
+  return jax.tree.unflatten(treedef, out), changed
+
+
+def _innermost_state(tree, path):
+  """The innermost NamedTuple (an optax state) on ``path`` from ``tree``'s root."""
+  owner = node = tree
+  for entry in path[:-1]:
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+      node = getattr(node, entry.name)
+    elif isinstance(entry, jax.tree_util.SequenceKey):
+      node = node[entry.idx]
+    elif isinstance(entry, jax.tree_util.DictKey):
+      node = node[entry.key]
+    else:  # A custom node's child: the state found so far names it.
+      break
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      owner = node
+  return owner
 
 
 def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:
