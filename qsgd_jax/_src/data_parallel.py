@@ -98,7 +98,11 @@ def data_parallel(
   means, as from ``jax.lax.pmean``.
 
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
-  per-device residuals along ``axis_name``, the rest replicated.
+  per-device residuals along ``axis_name``, the rest replicated. A state that
+  function does not know (a wrapper's, a transform of your own) may hold
+  per-device arrays, as ``optax.MultiSteps``' accumulated gradients do: the
+  update is traced once, abstractly, and each leaf of such a state that it
+  makes differ per device is laid out along the axes it differs over.
 
   Args:
     loss_fn: ``loss_fn(params, batch, *args)``, the loss of one device's share
@@ -122,7 +126,8 @@ def data_parallel(
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; at trace time, the
-      optimizer's updates differ per device (it does not average them).
+      optimizer's updates differ per device (it does not average them), or
+      its state holds a per-device scalar, which cannot be laid out.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
