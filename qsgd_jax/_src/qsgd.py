@@ -137,7 +137,8 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     if self.norm not in ("max", "l2"):
       raise ValueError(f"QSGD: norm must be 'max' or 'l2', got {self.norm!r}.")
     if self.largest_scale is not None and not (
-        isinstance(self.largest_scale, int | float) and self.largest_scale > 0):
+        isinstance(self.largest_scale, int | float) and not isinstance(self.largest_scale, bool)
+        and self.largest_scale > 0):
       raise ValueError(
           f"QSGD: largest_scale must be a positive float or None, got {self.largest_scale!r}.")
 
