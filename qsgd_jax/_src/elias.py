@@ -262,6 +262,12 @@ def total_bits(levels: jax.Array, *, variant: Variant) -> jax.Array:
   The same count, exact up to ``2**24`` bits and within float32's rounding
   past it (:func:`sum_counts`), for a vector of any length: a billion levels
   at 4 bits take about ``1.2e10`` bits, past what an int32 holds.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from qsgd_jax import elias
+    >>> float(elias.total_bits(jnp.array([0, 0, 3, -1, 0]), variant="sparse"))
+    42.0
   """
   return _NORM_BITS + sum_counts(_coordinate_bits(levels, variant))
 
