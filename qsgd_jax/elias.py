@@ -11,6 +11,7 @@ from qsgd_jax._src.elias import (
     encode,
     encoded_bits,
     omega_length,
+    total_bits,
 )
 
 __all__ = (
@@ -19,4 +20,5 @@ __all__ = (
     "encode",
     "encoded_bits",
     "omega_length",
+    "total_bits",
 )

@@ -239,6 +239,20 @@ def test_params_and_extra_args_reach_inner():
   np.testing.assert_array_equal(updates, np.full(3, 2.0 * 2.0 + 10.0))
 
 
+def test_float0_gradients_pass_through():
+  # jax.grad(allow_int=True) gives float0 for an integer input, as optax.apply_updates skips.
+  params = {"w": jnp.ones(3), "n": jnp.int32(2)}
+  grads = jax.grad(lambda p: jnp.sum(p["w"] * p["n"]), allow_int=True)(params)
+  tx = accumulate_gradients(optax.identity(), 2)
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for expected in (0.0, 2.0):
+    updates, state = update(grads, state, params)
+    assert updates["n"].dtype == jax.dtypes.float0 and updates["n"].shape == ()
+    np.testing.assert_array_equal(updates["w"], np.full(3, expected))
+  np.testing.assert_array_equal(state.accumulated[0], np.zeros(1))  # "n"'s slot: untouched.
+
+
 @pytest.mark.parametrize("every_k_steps", [0, -1, 2.0, True, "4", None])
 def test_bad_every_k_steps_is_a_value_error(every_k_steps):
   with pytest.raises(ValueError, match="every_k_steps"):

@@ -362,6 +362,21 @@ def test_odd_sizes_and_bf16_leaves():
       assert error <= (4 / 255 + 2**-9) * magnitude, (variant, name)
 
 
+@pytest.mark.parametrize("method", ["two_phase", "psum", "all_gather"])
+def test_float16_l2_means_decode_within_float16(method):
+  # Gradients of about 30,000: a bucket's L2 norm, 30,000 * sqrt(512), is past float16's
+  # largest value, 65,504; so is a decode against it, unless the scale is bounded by it.
+  rng = np.random.default_rng(3)
+  grads = (30_000 * (1 + 0.01 * rng.normal(size=(NUM_DEVICES, 8192)))).astype(np.float16)
+  compressor = qsgd_jax.QSGD(bits=4, norm="l2")
+  mean = _rows(jax.pmap(lambda g: qsgd_jax.quantized_pmean(g, AXIS, compressor, KEY,
+                                                           method=method), axis_name=AXIS)(grads))
+  assert mean.dtype == np.float16 and np.all(np.isfinite(mean))
+  assert np.max(np.abs(mean)) <= np.finfo(np.float16).max
+  exact = grads.astype(np.float64).mean(axis=0)
+  assert abs(float(np.mean(mean[0].astype(np.float64) - exact))) < 300  # Unbiased: 1%.
+
+
 def test_axis_of_size_one():
   devices = jax.devices()[:1]
   tree = jax.tree.map(lambda x: x[:1], _normal_tree())

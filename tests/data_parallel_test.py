@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import chex
 import jax
@@ -215,6 +216,99 @@ def test_aux_extra_arguments_and_donation():
   draws = [jax.random.normal(jax.random.fold_in(key, i)) for i in range(NUM_DEVICES)]
   assert float(aux["noise"]) == pytest.approx(float(np.mean(draws)), abs=1e-6)
   assert aux["examples"].dtype == jnp.int32 and int(aux["examples"]) == 16
+
+
+def _weighted_loss(params, batch):
+  return batch["weight"] * loss_fn(params, (batch["x"], batch["y"])) + 0 * batch["step"]
+
+
+def test_scalar_batch_leaves_reach_every_device_whole():
+  mesh = _mesh()
+  init, train_step, _ = qsgd_jax.data_parallel(_weighted_loss, make_optimizer(), mesh)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  batch = {"x": INPUTS[0], "y": TARGETS[0], "weight": jnp.float32(0.5), "step": 3}
+  new_params, _, loss = jax.block_until_ready(train_step(params, init(params), batch))
+  assert float(loss) == pytest.approx(
+      0.5 * float(loss_fn(PARAMS, (INPUTS[0], TARGETS[0]))), rel=1e-5)
+  assert_replicas_identical(_device_copies(new_params))
+
+
+# optax.MultiSteps of each library transform whose state holds per-device arrays.
+_MULTI_STEPS_INNER = {
+    "qsgd": lambda: optax.chain(
+        qsgd_jax.qsgd(AXIS, error_feedback=True, axis_size=NUM_DEVICES), optax.sgd(0.05)),
+    "onebit_sgd": lambda: optax.chain(
+        qsgd_jax.onebit_sgd(AXIS, error_feedback="both", axis_size=NUM_DEVICES),
+        optax.sgd(0.05)),
+    "powersgd": lambda: optax.chain(qsgd_jax.powersgd(AXIS, start_iter=2), optax.sgd(0.05)),
+    "onebit_adam": lambda: qsgd_jax.onebit_adam(
+        1e-3, AXIS, freeze_step=1, axis_size=NUM_DEVICES),
+}
+
+
+@pytest.mark.parametrize("name", list(_MULTI_STEPS_INNER))
+def test_multi_steps_runs_under_data_parallel_as_under_shard_map_by_hand(name):
+  mesh = _mesh()
+  tx = optax.MultiSteps(_MULTI_STEPS_INNER[name](), every_k_schedule=2)
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, PARAMS), AXIS)
+  assert jax.tree.leaves(specs.acc_grads) == [P(AXIS), P(AXIS)]  # Each device's own sum.
+  assert specs.mini_step == specs.gradient_step == P()
+
+  def device_step(params, opt_state, batch):
+    local = qsgd_jax.as_varying(params, AXIS)
+    return apply_step(tx, params, opt_state, jax.grad(loss_fn)(local, batch))
+
+  by_hand = jax.jit(jax.shard_map(device_step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
+                                  out_specs=(P(), specs)))
+  init, train_step, _ = qsgd_jax.data_parallel(loss_fn, tx, mesh)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  converted = (params, init(params))
+  manual = (params, jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                                          out_specs=specs))(params))
+  for step in range(NUM_STEPS):
+    converted = jax.block_until_ready(train_step(*converted, _batch(mesh, step))[:2])
+    manual = jax.block_until_ready(by_hand(*manual, _batch(mesh, step)))
+  chex.assert_trees_all_equal(host_arrays(converted), host_arrays(manual))
+  assert int(converted[1].gradient_step) == 1  # Steps 0 and 1 applied once; 2 accumulated.
+  assert np.asarray(converted[0]["w"]).any()
+  assert_replicas_identical(_device_copies(converted[0]))
+
+
+class _LastGradientState(NamedTuple):
+  last: dict  # Each device's own gradient of the previous step, like the params.
+
+
+def _remember_gradients(reduce=lambda grads: grads):
+  """A transform the library does not know, whose state is per device."""
+  return optax.GradientTransformation(
+      lambda params: _LastGradientState(reduce(jax.tree.map(jnp.zeros_like, params))),
+      lambda updates, state, params=None: (updates, _LastGradientState(reduce(updates))))
+
+
+def test_data_parallel_lays_out_per_device_arrays_of_states_it_does_not_know():
+  mesh = _mesh()
+  tx = optax.chain(_remember_gradients(), make_optimizer())
+  init, train_step, abstract_state = qsgd_jax.data_parallel(loss_fn, tx, mesh)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  assert abstract_state(params)[0].last["w"].sharding.spec == P(AXIS)
+  _, opt_state, _ = jax.block_until_ready(train_step(params, init(params), _batch(mesh, 0)))
+  last = _device_copies(opt_state[0].last["b"]).reshape(NUM_DEVICES, -1)
+  assert not np.array_equal(last[0], last[1])  # Each device's own gradient.
+
+
+def test_a_per_device_scalar_in_a_state_it_does_not_know_is_a_value_error():
+  mesh = _mesh()
+  tx = optax.chain(_remember_gradients(lambda tree: jnp.sum(tree["b"])), make_optimizer())
+  init, _, _ = qsgd_jax.data_parallel(loss_fn, tx, mesh)
+  with pytest.raises(ValueError, match=r"state\[0\]\.last, a scalar in a _LastGradientState"):
+    init(jax.device_put(PARAMS, NamedSharding(mesh, P())))
+
+
+def test_multi_steps_of_a_scalar_parameter_is_a_value_error():
+  tx = optax.MultiSteps(optax.chain(qsgd_jax.qsgd(AXIS), optax.sgd(0.1)), 2)
+  shapes = jax.eval_shape(tx.init, {"w": jnp.zeros(8192), "temperature": jnp.zeros(())})
+  with pytest.raises(ValueError, match=r"acc_grads\['temperature'\] is a scalar"):
+    qsgd_jax.state_partition_specs(shapes, AXIS)
 
 
 def test_two_level_mesh_quantizes_over_the_outer_axis():

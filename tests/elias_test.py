@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qsgd_jax
 from qsgd_jax import elias
+from qsgd_jax._src import elias as elias_module
 
 # The Elias omega table of the QSGD paper notes.
 _TABLE = {
@@ -200,6 +202,33 @@ def test_matches_reference_sparse(levels, norm):
 @hypothesis.given(levels=_level_vectors, norm=st.floats(width=32, allow_nan=False))
 def test_matches_reference_dense(levels, norm):
   _check_codec(levels, norm, "dense")
+
+
+def test_bit_counts_past_the_int32_range_do_not_wrap():
+  # 2**19 coordinates of 2**13 bits: 2**32 bits, which an int32 sum wraps to 0 (a billion
+  # levels at 4 bits take about 1.2e10).
+  counts = jnp.full((2**19,), 2**13, jnp.int32)
+  assert int(jnp.sum(counts, dtype=jnp.int32)) == 0
+  total = elias_module.sum_counts(counts)
+  assert total.dtype == jnp.float32 and float(total) == 2.0**32
+
+
+def test_total_bits_is_encoded_bits_and_qsgd_sizes_count_in_float32():
+  levels = jnp.array([0, 0, 3, -1, 0, 7, 0, 0, 0, -2], jnp.int32)
+  for variant in _VARIANTS:
+    total = elias.total_bits(levels, variant=variant)
+    assert total.dtype == jnp.float32
+    assert float(total) == int(elias.encoded_bits(levels, variant=variant))
+  q = qsgd_jax.QSGD(bits=4, bucket_size=512)
+  payload = q.encode(jax.random.key(1), jax.random.normal(jax.random.key(0), (1500,)))
+  size = q.elias_bits(payload)
+  assert all(field.dtype == jnp.float32 for field in size)
+  buckets = jnp.pad(q.signed_levels(payload), (0, 36)).reshape(3, 512)
+  for variant, found in (("sparse", size.sparse), ("dense", size.dense)):
+    expected = sum(int(elias.encoded_bits(b, variant=variant)) for b in buckets)
+    if variant == "dense":
+      expected -= 36 * 2  # The last bucket's zero padding: 2 bits each.
+    assert float(found) == expected
 
 
 @hypothesis.settings(deadline=None, max_examples=100, derandomize=True)

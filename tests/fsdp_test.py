@@ -113,6 +113,20 @@ def test_gather_is_lax_all_gather_within_half_a_step_and_bit_identical_everywher
   assert np.all(error <= bound)
 
 
+def test_gather_sends_bool_leaves_bit_for_bit():
+  # A mask: one byte an element, as jax.lax.all_gather sends it, beside a compressed leaf.
+  rng = np.random.default_rng(2)
+  shards = {"mask": rng.random((NUM_DEVICES, 4099)) < 0.5,
+            "flag": rng.random((NUM_DEVICES, 3)) < 0.5,
+            "w": rng.normal(size=(NUM_DEVICES, 4096)).astype(np.float32)}
+  out = jax.pmap(_both_gathers, axis_name=AXIS)(shards)
+  for name in ("mask", "flag"):
+    for form in ("tiled", "stacked"):
+      assert out[form][name].dtype == np.bool_
+    np.testing.assert_array_equal(out["stacked"][name], out["exact"][name])
+    np.testing.assert_array_equal(out["tiled"][name][0], shards[name].reshape(-1))
+
+
 def test_gather_wire_bytes_are_the_plans():
   shards, _, lowered = _gathered()
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shards)

@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from qsgd_jax._src import axes
@@ -53,7 +54,9 @@ def accumulate_gradients(
   back to the gradients' dtypes) to ``inner.update``, returns what that
   returns, and starts a new group. The recurrence is the one
   ``optax.MultiSteps(inner, k)`` uses (``use_grad_mean=True``), so both give
-  the same updates, bit for bit.
+  the same updates, bit for bit. A ``float0`` leaf (the gradient of an
+  integer input, from ``jax.grad(..., allow_int=True)``) holds no values: it
+  reaches ``inner`` as it is, as ``optax.apply_updates`` passes it by.
 
   The two cases are the branches of a ``jax.lax.cond`` on the mini-step
   counter, so a collective inside ``inner``, such as the quantized all-reduce
@@ -119,11 +122,13 @@ def accumulate_gradients(
   def update_fn(updates, state, params=None, **extra_args):
     leaves, treedef = jax.tree.flatten(updates)
     seen = state.mini_step + 1
+    # A float0 leaf (the gradient of an integer input, jax.grad(allow_int=True)) holds no
+    # values: it passes through to inner as it is, and its running mean stays zeros.
     accumulated = tuple(
-        mean + (leaf.reshape(-1) - mean) / seen
+        mean if _is_float0(leaf) else mean + (leaf.reshape(-1) - mean) / seen
         for leaf, mean in zip(leaves, state.accumulated, strict=True))
     mean_updates = jax.tree.unflatten(treedef, [
-        mean.reshape(leaf.shape).astype(leaf.dtype)
+        leaf if _is_float0(leaf) else mean.reshape(leaf.shape).astype(leaf.dtype)
         for leaf, mean in zip(leaves, accumulated, strict=True)])
 
     def run_inner():
@@ -138,7 +143,7 @@ def accumulate_gradients(
       return new_updates, _varying_like(inner_state, state.inner_state)
 
     def hold():
-      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), ran[0])
+      zeros = jax.tree.map(_zeros, ran[0])
       return _varying_like((zeros, state.inner_state), ran)
 
     applies = state.mini_step == every_k_steps - 1
@@ -151,6 +156,17 @@ def accumulate_gradients(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_float0(x) -> bool:
+  return jnp.result_type(x) == jax.dtypes.float0
+
+
+def _zeros(x):
+  """Zeros like ``x`` (a ``jax.ShapeDtypeStruct``); float0 zeros, which ``jnp.zeros``
+  refuses, as optax makes them, a numpy array."""
+  return np.zeros(x.shape, x.dtype) if x.dtype == jax.dtypes.float0 else jnp.zeros(
+      x.shape, x.dtype)
 
 
 def _varying_like(tree, like):

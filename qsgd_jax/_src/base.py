@@ -100,6 +100,18 @@ class Compressor(abc.ABC):
     """
     return self.encode(key, parts[0] if len(parts) == 1 else jnp.concatenate(parts))
 
+  def bounded_to(self, largest: float) -> "Compressor":
+    """This compressor, its decoded magnitudes at most ``largest`` where its inputs' are.
+
+    The collectives quantize in float32 what they cast back to a leaf's
+    dtype, such as the float32 mean of float16 gradients; they call this
+    with the leaves' narrowest dtype's largest value, so that no decode
+    overflows that dtype. This default returns the compressor itself, for a
+    compressor whose decoded magnitudes never exceed its input's largest.
+    """
+    del largest
+    return self
+
   def encoded_all_finite(self, payload: Payload) -> jax.Array | None:
     """Whether every value encoded into ``payload`` was finite, told by the payload alone.
 

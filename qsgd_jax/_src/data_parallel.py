@@ -71,9 +71,12 @@ def data_parallel(
       params, opt_state, loss = train_step(params, opt_state, batch)
 
   The batch may be numpy arrays, or arrays laid out otherwise: ``step`` splits
-  it over the mesh (the whole batch is copied to the devices first; for large
-  batches, ``jax.device_put`` it with ``NamedSharding(mesh, P("batch"))``,
-  or in several processes ``jax.make_array_from_process_local_data``).
+  each leaf along its first dimension over the mesh; a scalar leaf (a step
+  number, a loss weight) has no dimension to split and reaches every device
+  whole, like an extra argument of ``step``. (The whole batch is copied to
+  the devices first; for large batches, ``jax.device_put`` it with
+  ``NamedSharding(mesh, P("batch"))``, or in several processes
+  ``jax.make_array_from_process_local_data``.)
 
   ``step`` runs, under ``jax.shard_map`` over ``axis_name``:
 
@@ -95,7 +98,11 @@ def data_parallel(
   means, as from ``jax.lax.pmean``.
 
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
-  per-device residuals along ``axis_name``, the rest replicated.
+  per-device residuals along ``axis_name``, the rest replicated. A state that
+  function does not know (a wrapper's, a transform of your own) may hold
+  per-device arrays, as ``optax.MultiSteps``' accumulated gradients do: the
+  update is traced once, abstractly, and each leaf of such a state that it
+  makes differ per device is laid out along the axes it differs over.
 
   Args:
     loss_fn: ``loss_fn(params, batch, *args)``, the loss of one device's share
@@ -119,7 +126,8 @@ def data_parallel(
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; at trace time, the
-      optimizer's updates differ per device (it does not average them).
+      optimizer's updates differ per device (it does not average them), or
+      its state holds a per-device scalar, which cannot be laid out.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
@@ -158,7 +166,30 @@ def data_parallel(
     stacked = jax.eval_shape(
         jax.shard_map(device_state, mesh=mesh, in_specs=P(), out_specs=split), params)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    return state_partition_specs(shapes, axis)
+    specs = state_partition_specs(shapes, axis)
+    # A state that state_partition_specs does not know may hold per-device arrays: lay out
+    # each leaf along the axes the update makes it vary over. Laying one out may make others
+    # vary, so until nothing changes (each round only turns replicated leaves per device).
+    while True:
+      specs, changed = _per_device_specs(
+          shapes, specs, _updated_state_varying(params, specs), names)
+      if not changed:
+        return specs
+
+  def _updated_state_varying(params, specs):
+    """For each leaf of the state, the axes the update's new state varies over."""
+    found = []
+
+    def probe(params, opt_state):
+      _, new_state = optimizer.update(axes.as_varying(params, axis), opt_state, params)
+      found.append([_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)])
+      return jnp.zeros(())
+
+    global_shapes = jax.eval_shape(
+        jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs), out_specs=P()),
+                   params, global_shapes)
+    return found[0]
 
   def init(params):
     specs = state_specs(params)
@@ -180,9 +211,11 @@ def data_parallel(
   def step(params, opt_state, batch, *args):
     specs = state_specs(params)
     batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
+    # A scalar has no dimension to split: every device gets it whole.
+    batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
     return jax.shard_map(
         device_step, mesh=mesh,
-        in_specs=(P(), specs, split, *(P() for _ in args)),
+        in_specs=(P(), specs, batch_specs, *(P() for _ in args)),
         out_specs=(P(), specs, P()),
     )(params, opt_state, batch, *args)
 
@@ -207,6 +240,51 @@ def _split(x, mesh: jax.sharding.Mesh, spec: P):
   if isinstance(sharding, NamedSharding) and sharding.spec[:1] == spec[:1]:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _per_device_specs(shapes, specs, varying, names: tuple[str, ...]):
+  """``(specs, changed)``: ``specs`` with each leaf that ``specs`` replicates but that
+  ``varying`` says varies over some of ``names`` laid out along those axes.
+
+  Raises:
+    ValueError: such a leaf is a scalar, which has no dimension to lay out.
+  """
+  is_spec = lambda node: isinstance(node, P)  # noqa: E731
+  spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+  paths_and_shapes = jax.tree_util.tree_leaves_with_path(shapes)
+  out, changed = [], False
+  for (path, shape), spec, axes_of in zip(paths_and_shapes, spec_leaves, varying, strict=True):
+    if spec != P() or not axes_of:
+      out.append(spec)
+      continue
+    state_type = type(_innermost_state(shapes, path)).__name__
+    if len(shape.shape) == 0:
+      raise ValueError(
+          f"data_parallel: the optimizer's state{jax.tree_util.keystr(path)}, a scalar in "
+          f"a {state_type}, differs per device over {axes_of} after the update, and a "
+          "scalar has no dimension to lay out along the axis (state_partition_specs does "
+          f"not know {state_type}). Keep that per-device value in an array of shape (1,), "
+          "or make the state the same on every device (average what it holds).")
+    out.append(P(axes_of if len(axes_of) > 1 else axes_of[0]))
+    changed = True
+  return jax.tree.unflatten(treedef, out), changed
+
+
+def _innermost_state(tree, path):
+  """The innermost NamedTuple (an optax state) on ``path`` from ``tree``'s root."""
+  owner = node = tree
+  for entry in path[:-1]:
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+      node = getattr(node, entry.name)
+    elif isinstance(entry, jax.tree_util.SequenceKey):
+      node = node[entry.idx]
+    elif isinstance(entry, jax.tree_util.DictKey):
+      node = node[entry.key]
+    else:  # A custom node's child: the state found so far names it.
+      break
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      owner = node
+  return owner
 
 
 def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:

@@ -235,7 +235,9 @@ def encoded_bits(levels: jax.Array, *, variant: Variant) -> jax.Array:
     variant: ``"sparse"`` or ``"dense"``.
 
   Returns:
-    ``int32`` scalar (the count wraps past ``2**31 - 1`` bits).
+    ``int32`` scalar, exact (it wraps past ``2**31 - 1`` bits, where
+    :func:`encode` refuses a vector; :func:`total_bits` is the count of a
+    vector of any length, in float32).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -250,16 +252,64 @@ def encoded_bits(levels: jax.Array, *, variant: Variant) -> jax.Array:
     Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
     Quantization and Encoding", 2017, Section 3.2.
   """
+  return _NORM_BITS + jnp.sum(_coordinate_bits(levels, variant), dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("variant",))
+def total_bits(levels: jax.Array, *, variant: Variant) -> jax.Array:
+  """:func:`encoded_bits` as a ``float32`` scalar that cannot wrap, for statistics.
+
+  The same count, exact up to ``2**24`` bits and within float32's rounding
+  past it (:func:`sum_counts`), for a vector of any length: a billion levels
+  at 4 bits take about ``1.2e10`` bits, past what an int32 holds.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from qsgd_jax import elias
+    >>> float(elias.total_bits(jnp.array([0, 0, 3, -1, 0]), variant="sparse"))
+    42.0
+  """
+  return _NORM_BITS + sum_counts(_coordinate_bits(levels, variant))
+
+
+def _coordinate_bits(levels: jax.Array, variant: Variant) -> jax.Array:
+  """``int32`` bits each coordinate adds to the string, each below ``2**7``."""
   _check_variant(variant)
   levels = _check_levels(levels)
   magnitude = _magnitudes(levels)
   if variant == "dense":
-    per_coordinate = 1 + omega_length(magnitude + 1)
-  else:
-    nonzero = levels != 0
-    gap_bits = omega_length(_gaps(nonzero))
-    per_coordinate = jnp.where(nonzero, gap_bits + 1 + omega_length(magnitude), 0)
-  return _NORM_BITS + jnp.sum(per_coordinate, dtype=jnp.int32)
+    return 1 + omega_length(magnitude + 1)
+  nonzero = levels != 0
+  gap_bits = omega_length(_gaps(nonzero))
+  return jnp.where(nonzero, gap_bits + 1 + omega_length(magnitude), 0)
+
+
+# Counts summed in int32 a chunk at a time: 2**16 counts below 2**15 stay below 2**31.
+_COUNT_CHUNK = 2**16
+
+
+def sum_counts(counts: jax.Array) -> jax.Array:
+  """The ``float32`` sum of non-negative ``int32`` counts below ``2**15``, without wrapping.
+
+  JAX runs without 64-bit integers, and an int32 sum wraps past ``2**31 - 1``:
+  the Elias bits of a billion-parameter payload, about ``1.2e10``, would come
+  out negative or small. Each chunk of ``2**16`` counts is summed exactly in
+  int32 (below ``2**31``), and the chunks' totals in float32: a statistic
+  needs no exactness past ``2**24``, and float32 holds ``1e10`` within a
+  relative ``6e-8`` a rounding (pairs of uint32 words would be exact, at the
+  cost of carry logic a size estimate does not need).
+
+  Args:
+    counts: ``int32`` array of non-negative counts, each below ``2**15``.
+
+  Returns:
+    ``float32[]``, the sum.
+  """
+  counts = counts.reshape(-1)
+  chunk = max(1, min(_COUNT_CHUNK, counts.size))
+  counts = jnp.pad(counts, (0, -counts.size % chunk))
+  chunk_totals = jnp.sum(counts.reshape(-1, chunk), axis=1, dtype=jnp.int32)
+  return jnp.sum(chunk_totals.astype(jnp.float32))
 
 
 def _max_record_bits(size: int, max_level: int, variant: Variant) -> int:

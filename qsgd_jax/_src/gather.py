@@ -3,7 +3,7 @@
 With ``N`` devices, each device lays the float leaves it compresses end to
 end (the plan's segments, ``plan.py``, with ``method="gather"``), encodes
 them in a few batched encodes, and appends the bits of the leaves it sends
-as they are (integer leaves, and float leaves under the size threshold, in
+as they are (integer and bool leaves, and float leaves under the size threshold, in
 their own dtype): one ``uint32`` word vector. One ``all_gather`` of those words
 gives every device every device's words, and every device decodes all ``N``
 of them, its own included, in the same way: the result is bit-identical on
@@ -56,7 +56,8 @@ def quantized_all_gather(
   Args:
     tree: a pytree of arrays, this device's shards. Float leaves of at least
       ``min_compressed_size`` elements are quantized (in float32, decoded to
-      their dtype); smaller float leaves and integer leaves are gathered bit
+      their dtype); smaller float leaves, integer leaves and bool leaves (a
+      byte an element, as ``jax.lax.all_gather`` sends them) are gathered bit
       for bit in their own dtype, in the same all-gather.
     axis_name: a mapped axis name, or ``(outer, inner, ...)``: the shards are
       those of devices ``outer_index * inner_size + inner_index``, as a

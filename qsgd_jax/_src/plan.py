@@ -524,6 +524,14 @@ def make_plan(
             jax.tree_util.keystr(path) or "<root>")
   if not isinstance(exact_own_piece, bool):
     raise TypeError(f"{owner}: exact_own_piece must be a bool, got {exact_own_piece!r}.")
+  # Float leaves are quantized in float32 and cast back: no decode may exceed the narrowest
+  # compressed dtype's largest value (a float16 leaf's float32 mean, re-quantized).
+  narrowest = min((float(jnp.finfo(dtype).max) for shape, dtype in zip(shapes, dtypes, strict=True)
+                   if jnp.issubdtype(dtype, jnp.floating)
+                   and math.prod(shape) >= min_compressed_size),
+                  default=None)
+  if narrowest is not None and narrowest < float(jnp.finfo(jnp.float32).max):
+    compressor = compressor.bounded_to(narrowest)
   return _cached_plan(shapes, dtypes, axes, sizes, compressor, method, min_compressed_size,
                       owner, scatter_dimension, tiled, exact_own_piece)
 

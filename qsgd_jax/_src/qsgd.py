@@ -21,9 +21,14 @@ class EliasSize(NamedTuple):
   Each bucket is one coded vector: its 32-bit scale, then its levels.
 
   Attributes:
-    sparse: ``int32[]``, every bucket in the sparse variant.
-    dense: ``int32[]``, every bucket in the dense variant.
-    smaller: ``int32[]``, each bucket in whichever variant is shorter for it.
+    sparse: ``float32[]``, every bucket in the sparse variant.
+    dense: ``float32[]``, every bucket in the dense variant.
+    smaller: ``float32[]``, each bucket in whichever variant is shorter for it.
+
+  Counts in float32, which cannot wrap as an int32 sum would past ``2**31``
+  bits (a billion-parameter payload takes about ``1.2e10``): exact up to
+  ``2**24`` bits, within float32's rounding past it
+  (:func:`qsgd_jax.elias.total_bits`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -82,6 +87,11 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     norm: ``"max"`` (default) or ``"l2"``.
     levels: the number of levels ``s`` directly, in ``[1, 2**15 - 1]``;
       ``bits`` then defaults to the fewest that hold ``2 s + 1`` codes.
+    largest_scale: with ``norm="l2"``, the largest scale a bucket is sent
+      with where all its magnitudes are at most this (``None``: the largest
+      value of the input's dtype). The collectives quantize in float32 the
+      sums of leaves of narrower dtypes, and set it to the narrowest one's
+      largest value: a float16 leaf's mean then decodes within float16.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -102,6 +112,7 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
   bucket_size: int | None = 512
   norm: Literal["max", "l2"] = "max"
   levels: int | None = None
+  largest_scale: float | None = None
 
   unbiased = True
   scale_reductions = ("max",)
@@ -125,6 +136,16 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     base.check_bucket_size("QSGD", self.bucket_size)
     if self.norm not in ("max", "l2"):
       raise ValueError(f"QSGD: norm must be 'max' or 'l2', got {self.norm!r}.")
+    if self.largest_scale is not None and not (
+        isinstance(self.largest_scale, int | float) and not isinstance(self.largest_scale, bool)
+        and self.largest_scale > 0):
+      raise ValueError(
+          f"QSGD: largest_scale must be a positive float or None, got {self.largest_scale!r}.")
+
+  def bounded_to(self, largest: float) -> "QSGD":
+    if self.norm != "l2" or (self.largest_scale is not None and self.largest_scale <= largest):
+      return self
+    return dataclasses.replace(self, largest_scale=float(largest))
 
   @property
   def code_range(self) -> tuple[int, int]:
@@ -139,7 +160,10 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     """``float32[num_buckets, 1]``: each bucket's norm, for an input of ``dtype``."""
     if self.norm == "max":
       return base.bucket_max_abs(buckets)[:, None]
-    return _l2_norms(buckets, float(jnp.finfo(dtype).max))[:, None]
+    largest = float(jnp.finfo(dtype).max)
+    if self.largest_scale is not None:
+      largest = min(largest, self.largest_scale)
+    return _l2_norms(buckets, largest)[:, None]
 
   def integer_codes(self, key: jax.Array, x: jax.Array, scales: jax.Array) -> jax.Array:
     """Signed levels ``sgn(x_i) * l_i`` in ``[-s, s]`` against ``scales``."""
@@ -252,11 +276,12 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     size = math.prod(payload.shape)
     bucket_len = self._bucket_len(size)
     levels = base.to_buckets(self.signed_levels(payload), bucket_len)
-    sparse = jax.vmap(lambda v: elias.encoded_bits(v, variant="sparse"))(levels)
-    dense = jax.vmap(lambda v: elias.encoded_bits(v, variant="dense"))(levels)
+    # Each bucket's count, and their sum, in float32: an int32 sum wraps past 2**31 bits.
+    sparse = jax.vmap(lambda v: elias.total_bits(v, variant="sparse"))(levels)
+    dense = jax.vmap(lambda v: elias.total_bits(v, variant="dense"))(levels)
     # The last bucket's zero padding: free when sparse, 2 bits each when dense.
     padding = levels.size - size
-    dense = dense.at[-1].add(-padding * elias.omega_length(jnp.int32(1)) - padding)
+    dense = dense.at[-1].add(-padding * (1 + elias.omega_length(jnp.int32(1))).astype(jnp.float32))
     return EliasSize(
         sparse=jnp.sum(sparse), dense=jnp.sum(dense), smaller=jnp.sum(jnp.minimum(sparse, dense))
     )
@@ -282,12 +307,14 @@ def _l2_norms(buckets: jax.Array, largest: float) -> jax.Array:
   a ``cond`` when needed: a ``cond`` would make XLA write out a copy of its
   operand, the input, whenever that is not already an array in memory.)
 
-  A norm above ``largest``, the maximum of the input's dtype, becomes
-  ``largest``: still at least every magnitude in the bucket, which is all
-  that unbiasedness needs of a scale, and every decoded value, at most the
-  scale, then fits the dtype.
+  A norm above ``largest``, the maximum of the input's dtype (or of a
+  narrower dtype the result is cast to), becomes ``max(largest, max_i
+  |v_i|)``: still at least every magnitude in the bucket, which is all that
+  unbiasedness needs of a scale, and every decoded value, at most the scale,
+  then fits the dtype wherever the values do.
   """
   normalizer = base.power_of_two_normalizer(base.bucket_max_abs(buckets))
   magnitude, sum_of_squares = base.bucket_max_abs_and_sum_of_squares(buckets, normalizer)
   norms = jnp.sqrt(sum_of_squares) / normalizer
-  return jnp.where(jnp.isfinite(magnitude), jnp.minimum(norms, largest), norms)
+  return jnp.where(jnp.isfinite(magnitude),
+                   jnp.minimum(norms, jnp.maximum(largest, magnitude)), norms)

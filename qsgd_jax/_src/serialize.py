@@ -27,6 +27,8 @@ def num_words(template) -> int:
 def _leaf_to_words(leaf: jax.Array) -> jax.Array:
   if leaf.dtype == jnp.uint32:
     return leaf.reshape(-1)
+  if leaf.dtype == jnp.bool_:  # A byte each, as XLA stores a bool; bitcasts refuse bools.
+    leaf = leaf.astype(jnp.uint8)
   as_bytes = jax.lax.bitcast_convert_type(leaf.reshape(-1), jnp.uint8).reshape(-1)
   as_bytes = jnp.pad(as_bytes, (0, _num_words(leaf) * _WORD_BYTES - as_bytes.size))
   return jax.lax.bitcast_convert_type(as_bytes.reshape(-1, _WORD_BYTES), jnp.uint32)
@@ -38,6 +40,8 @@ def _leaf_from_words(words: jax.Array, leaf) -> jax.Array:
     return words.reshape(leaf.shape)
   size = math.prod(leaf.shape)
   as_bytes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[: size * dtype.itemsize]
+  if dtype == np.bool_:
+    return (as_bytes != 0).reshape(leaf.shape)
   if dtype.itemsize == 1:
     return jax.lax.bitcast_convert_type(as_bytes, dtype).reshape(leaf.shape)
   values = jax.lax.bitcast_convert_type(as_bytes.reshape(size, dtype.itemsize), dtype)

@@ -3,6 +3,7 @@
 from collections.abc import Mapping
 
 import jax
+import optax
 from jax.sharding import PartitionSpec
 
 from qsgd_jax._src import axes, stats
@@ -23,6 +24,7 @@ _ALWAYS_PRESENT = {
     ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
                        "local_interval", "learning_rate_sum", "freeze_count", "stats"),
     PowerSGDState: ("key", "count", "stats"),
+    optax.MultiStepsState: ("mini_step", "gradient_step", "acc_grads"),
 }
 
 
@@ -51,7 +53,18 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
-  * Every other leaf is replicated (``P()``).
+  * In an ``optax.MultiStepsState`` (``optax.MultiSteps``) each device's
+    accumulated gradients, ``acc_grads``, lie along ``axis_name``; the
+    counters and ``skip_state`` are replicated; ``inner_opt_state`` is laid
+    out by these same rules. A scalar parameter's ``acc_grads`` differs per
+    device but has no dimension to lie along: a ``ValueError`` names it.
+  * Every other leaf is replicated (``P()``): other states (optax's own,
+    their wrappers', the library's states nested inside them) hold what is
+    the same on every device once the gradients are averaged. From its
+    shapes alone a state cannot tell which of its arrays the update makes
+    per device; :func:`~qsgd_jax.data_parallel` finds out by tracing the
+    update, and lays out along the axes it varies over each leaf of a state
+    this function does not know that the update makes per device.
 
   The states are recognized as Flax NNX holds them too: in an
   ``nnx.Optimizer`` (its ``opt_state``, or the optimizer itself), whose
@@ -69,6 +82,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
 
   Returns:
     A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
+
+  Raises:
+    ValueError: an ``optax.MultiStepsState`` accumulates a scalar gradient.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -109,6 +125,23 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
           error=all_leaves(along_axis), q_memory=all_leaves(replicated),
           p_memory=all_leaves(replicated), stats=all_leaves(replicated)),
   }
+
+  def per_device_gradients(tree):
+    def layout(path, leaf):
+      if len(leaf.shape) == 0:
+        raise ValueError(
+            f"state_partition_specs: optax.MultiStepsState's acc_grads"
+            f"{jax.tree_util.keystr(path)} is a scalar, each device's own accumulated "
+            f"gradient, which has no dimension to lay along {axis_name!r}. Give that "
+            "parameter shape (1,), or accumulate with qsgd_jax.accumulate_gradients, "
+            "which keeps each gradient as a vector (and communicates once per k steps).")
+      return along_axis
+    return jax.tree_util.tree_map_with_path(layout, tree)
+
+  field_specs[optax.MultiStepsState] = dict(
+      mini_step=all_leaves(replicated), gradient_step=all_leaves(replicated),
+      acc_grads=per_device_gradients, inner_opt_state=lambda inner: specs(inner),
+      skip_state=all_leaves(replicated))
 
   def zero_one_adam_fields(node):
     fields = _fields(node)

@@ -153,7 +153,7 @@ def elias_wire_bits(plan: ReductionPlan, sent: Reduction) -> jax.Array:
   for collective in plan.collectives:
     bits = 8 * collective.bytes_sent
     if collective.carries in sent.payloads:
-      coded = sum(jnp.sum(elias_bits(p).smaller.astype(jnp.float32))
+      coded = sum(jnp.sum(elias_bits(p).smaller)
                   for p in sent.payloads[collective.carries])
       bits = bits * coded / (8 * collective.result_bytes)
     total += bits
