@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from examples.lm import diloco as diloco_lib
 from examples.lm import fsdp, input_pipeline, models
 
 AXIS = "batch"
@@ -184,6 +185,18 @@ def zero_one_adam(config: ml_collections.ConfigDict,
       axis_size=jax.device_count()))
 
 
+def diloco(config: ml_collections.ConfigDict,
+           learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """DiLoCo across ``config.diloco_workers`` workers (``diloco.py``), each worker's devices
+  training data-parallel with :func:`averaged_adamw` (over ``AXIS``) between syncs."""
+  if config.average not in DILOCO_INNER_AVERAGES:
+    raise ValueError(
+        f"config.average must be one of {', '.join(DILOCO_INNER_AVERAGES)} with "
+        f"config.optimizer diloco (the average inside a worker keeps no per-device state), "
+        f"got {config.average!r}.")
+  return diloco_lib.optimizer(config, averaged_adamw(config, learning_rate_fn))
+
+
 def _freeze_step(config: ml_collections.ConfigDict) -> int | str:
   """``config.freeze_step``: ``"auto"``, or a step (a string from ``--config.freeze_step=60``)."""
   return "auto" if config.freeze_step == "auto" else int(config.freeze_step)
@@ -199,7 +212,9 @@ OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict, optax.Schedule],
     "adamw": averaged_adamw,
     "onebit_adam": onebit_adam,
     "zero_one_adam": zero_one_adam,
+    "diloco": diloco,
 }
+DILOCO_INNER_AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8")
 
 
 def create_optimizer(config: ml_collections.ConfigDict,
@@ -214,6 +229,13 @@ def loss_fn(params, batch, apply_fn) -> jax.Array:
   tokens = batch["tokens"]
   logits = apply_fn({"params": params}, tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def diloco_metrics(opt_state: qsgd_jax.DiLoCoState) -> dict[str, jax.Array]:
+  """What a DiLoCo step sent across workers (zero but at a fragment's exchange) and, inside
+  a worker, what its gradient average sent."""
+  inner = qsgd_jax.compression_stats(opt_state.inner_state)
+  return wire_metrics(opt_state) | {"inner_wire_bytes": inner.wire_bits[0] / 8}
 
 
 def wire_metrics(opt_state) -> dict[str, jax.Array]:
@@ -331,6 +353,11 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
   else:
     step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
                              learning_rate_fn=learning_rate_fn)
+
+  if config.optimizer == "diloco":
+    step = functools.partial(diloco_lib.train_step, learning_rate_fn=learning_rate_fn,
+                             loss_fn=loss_fn, axis=AXIS, metrics_of=diloco_metrics)
+    return Mapped(*diloco_lib.parallelize(config, model, tx, step, _param_shapes(model), AXIS))
 
   if config.parallelism == "pmap":
     # pmap's own layout: the leading axis split over this process's devices.
@@ -637,6 +664,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       **{f"entropy_given_{order}_bytes": input_pipeline.conditional_entropy(held_out, order)
          for order in range(3)},
       "wire_bytes_per_step": last.get("wire_bytes"),
+      **{f"mean_{name}_per_step": _mean_of(train_records, name)
+         for name in ("wire_bytes", "inner_wire_bytes")},
       "fp32_allreduce_bytes_per_step": fp32_bytes,
       "compression_ratio": last.get("compression_ratio"),
       "freeze_step": _freeze_step_taken(last.get("freeze_step")),
@@ -652,6 +681,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if is_main:
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary
+
+
+def _mean_of(records: list[dict[str, Any]], name: str) -> float | None:
+  """The mean of ``name`` over the steps that report it (``None`` if none does): over a run
+  whose steps send different bytes (DiLoCo's syncs, a compressed Adam's freeze), the bytes a
+  step sends on average."""
+  values = [r[name] for r in records if name in r]
+  return float(np.mean(values)) if values else None
 
 
 def _freeze_step_taken(freeze_count: float | None) -> int | None:
@@ -674,6 +711,9 @@ def _check_config(config) -> None:
   _check_choice(config, "optimizer", tuple(OPTIMIZERS))
   _check_choice(config, "average", AVERAGES)
   _check_choice(config, "parallelism", PARALLELISMS)
+  if config.optimizer == "diloco" and config.parallelism != "shard_map":
+    raise ValueError("config.optimizer diloco runs under parallelism shard_map (over a mesh of "
+                     f"workers and their devices, diloco.py); got {config.parallelism!r}.")
   if config.parallelism == "fsdp":
     _check_choice(config, "fsdp_weights", fsdp.WEIGHTS)
     if config.average not in fsdp.AVERAGES:

@@ -44,6 +44,20 @@ def get_config() -> ml_collections.ConfigDict:
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
   config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), or fsdp.
+
+  # diloco (examples/lm/diloco.py): the devices form this many workers, each training
+  # data-parallel (config.average inside it) and syncing every sync_every steps: each fragment's
+  # outer gradient averaged across workers as outer_average says (fp32, bf16, qsgd8_ef,
+  # qsgd4_ef, qsgd2_ef, onebit), then outer SGD on the global parameters.
+  config.diloco_workers = 2
+  config.sync_every = 20
+  config.outer_average = "qsgd4_ef"
+  config.outer_learning_rate = 1.0
+  config.outer_momentum = 0.0  # 0: plain SGD; else Nesterov (outer_nesterov) or heavy ball.
+  config.outer_nesterov = True
+  config.fragments = 1  # Streaming DiLoCo: fragments syncing in turn, sync_every // P apart.
+  config.fragment_delay = 0  # Steps an exchange overlaps before its merge (below the interval).
+  config.fragment_alpha = 0.0  # The merge's weight of the worker's own parameters.
   # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
   # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).
   config.fsdp_weights = "int8"
