@@ -30,6 +30,7 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.diloco import DiLoCoState, diloco
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
 from qsgd_jax._src.fsdp_onebit import (
@@ -70,6 +71,7 @@ __all__ = (
     "CompressionStats",
     "Compressor",
     "DataParallel",
+    "DiLoCoState",
     "EliasSize",
     "FSDPOneBitAdamState",
     "FlatShard",
@@ -94,6 +96,7 @@ __all__ = (
     "compression_stats",
     "consensus_distance",
     "data_parallel",
+    "diloco",
     "elias",
     "fsdp_gather",
     "fsdp_onebit_adam",
