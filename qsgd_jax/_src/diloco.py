@@ -481,23 +481,28 @@ def _check_averaged(averaged, parsed: axes.Axes) -> None:
 
 
 def _from_first_device(params, parsed: axes.Axes):
-  """A copy of ``params``; under ``jax.shard_map``, the first device's, the same everywhere."""
+  """A copy of ``params``; under ``jax.shard_map``, the first device's, the same everywhere.
+
+  A leaf that varies over mapped axes (the workers' and any other) is
+  broadcast over them from the device of index 0, so that the global copy is
+  replicated, as ``P()`` lays it out.
+  """
   if parsed.is_local:
     return jax.tree.map(jnp.copy, params)
   try:
-    names = axes.tracked(parsed.names)
+    tracked = axes.tracked(parsed.names)
   except NameError:  # init outside the mapped function (e.g. jax.eval_shape).
-    names = ()
-  if not names:
+    tracked = ()
+  if not tracked:
     return jax.tree.map(jnp.copy, params)
-  first = jax.lax.axis_index(parsed.name) == 0
 
   def broadcast(x):
-    varying = [n for n in names if n in jax.typeof(x).manual_axis_type.varying]
+    varying = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
     if not varying:
       return jnp.copy(x)
+    first = jax.lax.axis_index(varying) == 0
     # x + 0 + ... + 0 is x exactly: a broadcast from the first device.
-    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), tuple(varying))
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), varying)
 
   return jax.tree.map(broadcast, params)
 
