@@ -8,8 +8,10 @@ Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`; 1-bit Adam under it,
 :func:`fsdp_onebit_gather` and :func:`fsdp_onebit_adam`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
-:func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
-that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
+:func:`low_precision_decentralized`, :func:`accumulate_gradients`),
+local-update training with a compressed outer exchange (:func:`diloco`: DiLoCo
+and Streaming DiLoCo), optimizers that communicate for themselves
+(:func:`onebit_adam`, :func:`zero_one_adam`),
 and a ``jax.jit`` training step over a mesh that uses them
 (:func:`data_parallel`).
 For long multi-process runs: :func:`initialize_distributed`, which ends every
