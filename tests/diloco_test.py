@@ -125,18 +125,21 @@ def test_algorithm1_matches_reference(mapping):
   _check_against(history, local, global_, shard_map=mapping == "shard_map")
 
 
-@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
-def test_streaming_matches_reference(mapping):
-  sync_every, steps = 4, 11
+@pytest.mark.parametrize("mapping, sync_every, delay, alpha, steps", [
+    ("pmap", 4, 1, 0.5, 11),
+    ("shard_map", 4, 1, 0.5, 11),
+    ("pmap", 6, 2, 0.0, 13),  # The exchange at s + 1, the merge at s + 2.
+])
+def test_streaming_matches_reference(mapping, sync_every, delay, alpha, steps):
   targets = _targets(steps)
-  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=1, alpha=0.5)
+  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=delay,
+              alpha=alpha)
   history = _RUNS[mapping](tx, targets, steps)
   local, global_ = reference.streaming_diloco(
       jax.tree.leaves(_params()), _reference_grad(targets), workers=WORKERS, steps=steps,
       sync_every=sync_every, fragment_of=_TWO_FRAGMENTS, inner=reference.Adam(0.05),
-      outer=reference.SGD(0.7, momentum=0.9, nesterov=True), delay=1, alpha=0.5)
+      outer=reference.SGD(0.7, momentum=0.9, nesterov=True), delay=delay, alpha=alpha)
   _check_against(history, local, global_, shard_map=mapping == "shard_map")
-
 
 def _quadratic_grads(params, t):
   """A gradient that moves with the step: params - target_t."""
