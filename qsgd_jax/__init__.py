@@ -8,8 +8,10 @@ Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`fsdp_gather`, :func:`fsdp_shard`, :func:`fsdp_remat_policy`; 1-bit Adam under it,
 :func:`fsdp_onebit_gather` and :func:`fsdp_onebit_adam`) and optax transformations
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
-:func:`low_precision_decentralized`, :func:`accumulate_gradients`), optimizers
-that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`),
+:func:`low_precision_decentralized`, :func:`accumulate_gradients`),
+local-update training with a compressed outer exchange (:func:`diloco`: DiLoCo
+and Streaming DiLoCo), optimizers that communicate for themselves
+(:func:`onebit_adam`, :func:`zero_one_adam`),
 and a ``jax.jit`` training step over a mesh that uses them
 (:func:`data_parallel`).
 For long multi-process runs: :func:`initialize_distributed`, which ends every
@@ -30,6 +32,7 @@ from qsgd_jax._src.decentralized import (
     consensus_distance,
     low_precision_decentralized,
 )
+from qsgd_jax._src.diloco import DiLoCoState, diloco
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
 from qsgd_jax._src.fsdp_onebit import (
@@ -70,6 +73,7 @@ __all__ = (
     "CompressionStats",
     "Compressor",
     "DataParallel",
+    "DiLoCoState",
     "EliasSize",
     "FSDPOneBitAdamState",
     "FlatShard",
@@ -94,6 +98,7 @@ __all__ = (
     "compression_stats",
     "consensus_distance",
     "data_parallel",
+    "diloco",
     "elias",
     "fsdp_gather",
     "fsdp_onebit_adam",

@@ -11,6 +11,7 @@ import numpy as np
 
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
+from qsgd_jax._src.diloco import DiLoCoState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
@@ -195,6 +196,17 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
     1's copy of it), so the caller must give every worker worker 0's
     parameters too: what the stacked layout does to leaves outside these
     states.
+
+  * :class:`~qsgd_jax.DiLoCoState`: every new worker takes worker 0's inner
+    optimizer state (:func:`~qsgd_jax.resize.first_device`); the outer
+    gradients not yet exchanged (``outer_gradients``) become their mean over
+    the saved workers (:func:`~qsgd_jax.resize.mean`: what a float32
+    exchange would make of them); the averages' states by their own rules (a
+    compressed average's residuals by their mean); the count, the global
+    parameters, the outer optimizers' states and the averaged outer
+    gradients are the same on every worker and kept. The caller gives the
+    new workers their parameters: the global parameters (best at the end of
+    a round) or worker 0's.
 
   States of other types, and leaves outside any state, are replicated: under
   the stacked layout every new device gets device 0's values; otherwise the
@@ -445,6 +457,8 @@ def _sign_exchange_errors(saved, target):
 register(CompressedAllReduceState, "local_error", mean, residual=True)
 register(CompressedAllReduceState, "chunk_error", _owner_residuals, residual=True)
 register(AccumulationState, "accumulated", mean)
+register(DiLoCoState, "inner_state", first_device)
+register(DiLoCoState, "outer_gradients", mean)
 register(LowPrecisionDecentralizedState, "inner_state", first_device)
 # Worker 0's model, as its right neighbour (worker 1) and its left one (the last) hold it.
 register(LowPrecisionDecentralizedState, "left_replica", row(1))

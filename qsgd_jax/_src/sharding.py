@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec
 from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
+from qsgd_jax._src.diloco import DiLoCoState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
@@ -19,6 +20,7 @@ from qsgd_jax._src.zero_one_adam import ZeroOneAdamState
 _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
+    DiLoCoState: ("count", "stats", "global_params"),
     LowPrecisionDecentralizedState: ("key", "stats"),
     ScaleByOneBitAdamState: ("count", "worker_error", "server_error", "freeze_count", "stats"),
     ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
@@ -50,6 +52,16 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
   * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
     ``axis_name``; the key, the count, the P and Q memories (the same on
     every device: they come from all-reduces) and the stats are replicated.
+  * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`) the
+    workers' own arrays lie along ``axis_name``: the inner optimizer's state
+    (every leaf, stored with a leading axis of one) and the outer gradients
+    before their exchange (``outer_gradients``); the averages' states are
+    laid out by these same rules (a compressed average's residuals along the
+    axis). The count, the stats, the global parameters, the outer
+    optimizers' states and the averaged outer gradients are the same on
+    every device and replicated. On a two-level mesh pass every axis the
+    parameters or the inner chain's state differ over, e.g.
+    ``("outer", "inner")``.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -120,6 +132,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
           key=all_leaves(replicated), stats=all_leaves(replicated)),
       ScaleByOneBitAdamState: dict(
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
+      DiLoCoState: dict(
+          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_axis),
+          average_states=lambda tree: specs(tree)),
       PowerSGDState: dict(
           key=all_leaves(replicated), count=all_leaves(replicated),
           error=all_leaves(along_axis), q_memory=all_leaves(replicated),

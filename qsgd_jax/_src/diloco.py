@@ -1,0 +1,439 @@
+"""Local-update training with a compressed outer exchange: DiLoCo and Streaming DiLoCo."""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qsgd_jax._src import axes, base, diloco_checks, diloco_fragments, stats, wire
+
+_OWNER = "qsgd_jax.diloco"
+
+
+class DiLoCoState(NamedTuple):
+  """State of :func:`diloco` on one device.
+
+  Every field is a pytree of arrays. ``P`` is the number of fragments.
+
+  Attributes:
+    count: ``int32[]``, steps taken; the same on every device, it decides
+      which fragment syncs when.
+    stats: :class:`~qsgd_jax.CompressionStats` of the last step's outer
+      exchange, per device: zero bits on a step that sent nothing (NaN
+      before the first step).
+    global_params: the global parameters (the outer optimizer's), a pytree
+      like the params, the same on every device: the model to evaluate.
+    outer_states: a tuple of ``P`` outer optimizer states, fragment ``p``'s
+      initialized on a tuple of its leaves of ``global_params``.
+    inner_state: the inner optimizer's state, this device's own, each leaf
+      with a leading axis of length 1 (``[1, *shape]``), so that under
+      ``jax.shard_map`` every leaf, scalar step counts included (a device
+      that skips a non-finite step keeps its own), lies along the axis.
+    average_states: a tuple of ``P`` states of ``average`` (an
+      ``optax.EmptyState`` each for the default float32 mean), fragment
+      ``p``'s initialized on a tuple of its leaves in float32: its error
+      feedback and key live across rounds.
+    outer_gradients: with ``delay > 0``, a tuple of ``P`` tuples of
+      ``float32[1, *shape]``, one a leaf of the fragment: this device's outer
+      gradient, from the fragment's sync step until its exchange; an empty
+      tuple with ``delay=0``.
+    averaged_gradients: with ``delay > 0``, a tuple of ``P`` tuples of
+      ``float32[*shape]``: the averaged outer gradient, the same on every
+      device, from the exchange until the merge; an empty tuple with
+      ``delay=0``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, qsgd_jax
+    >>> tx = qsgd_jax.diloco(optax.sgd(0.1), None, sync_every=4)
+    >>> state = tx.init({"w": jnp.zeros(3)})
+    >>> int(state.count), state.global_params["w"].shape
+    (0, (3,))
+  """
+
+  count: jax.Array
+  stats: stats.CompressionStats
+  global_params: optax.Params
+  outer_states: tuple
+  inner_state: optax.OptState
+  average_states: tuple
+  outer_gradients: tuple
+  averaged_gradients: tuple
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    axis_name: axes.AxisName,
+    *,
+    sync_every: int,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    average: optax.GradientTransformation | None = None,
+    fragments: diloco_fragments.Fragments = 1,
+    delay: int = 0,
+    alpha: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DiLoCo and Streaming DiLoCo: local inner steps, a compressed outer exchange.
+
+  Each device (a *worker*) trains its own copy :math:`\theta_m` of the
+  parameters with ``inner`` on its own gradients, sending nothing; every
+  ``sync_every`` (:math:`H`) steps the workers average how far they moved
+  from the global parameters :math:`\theta` and an outer optimizer moves
+  :math:`\theta` by that average. With the parameters split into fragments
+  :math:`p = 0, \dots, P - 1` (Streaming DiLoCo), each fragment syncs on
+  its own schedule. At the sync step :math:`s` of fragment :math:`p`, with
+  :math:`\theta_{m,p}` this device's fragment after the step's inner update:
+
+  .. math::
+
+    \Delta_p &= \mathrm{average}_m\,(\theta_p - \theta_{m,p})
+      \qquad \text{(the outer gradient, over } \texttt{axis\_name)} \\
+    \theta_p &\leftarrow \theta_p + \mathrm{OuterOpt}(\Delta_p) \\
+    \theta_{m,p} &\leftarrow \alpha\, \theta_{m,p} + (1 - \alpha)\, \theta_p
+      \qquad \text{(the merge)}
+
+  The outer gradient points from the new local parameters back to the old
+  global ones, so that an outer ``optax.sgd(1.0)`` without momentum takes
+  :math:`\theta` to the workers' mean (DiLoCo, Algorithm 1; torchft takes
+  ``original_parameters - local_param``). The merge is torchft's
+  ``fragment_update_alpha``: :math:`\alpha = 0` takes the global
+  parameters. The average is ``average``'s (a float32 ``jax.lax.pmean`` by
+  default), called only on exchange steps, so its error feedback and key
+  carry from one round to the next.
+
+  When each fragment syncs: fragment :math:`p` has offset :math:`o_p = (p +
+  1) H / P` (floored) and syncs at the steps :math:`s` (counted from 0)
+  where :math:`(s + 1 - o_p) \bmod H = 0`; the last fragment at every
+  :math:`H`-th step, so with one fragment this is DiLoCo. Syncs of
+  successive fragments are :math:`H / P` steps apart, as in torchft.
+
+  ``delay`` (:math:`\tau`, Streaming DiLoCo's overlap) moves the exchange
+  and the merge after the sync step, one fragment of the work in each
+  jitted step's program:
+
+  * step :math:`s`: the outer gradient :math:`\theta_p - \theta_{m,p}` is
+    computed and stored in the state (``outer_gradients``); nothing is sent;
+  * step :math:`s + 1`: the exchange reads it from the state, averages it
+    and stores the average. It does not depend on that step's forward and
+    backward passes, so XLA is free to run the collective while they
+    compute: in JAX that is how the communication overlaps
+    (``averaged_gradients`` holds the result);
+  * step :math:`s + \tau`: the outer step and the merge, with
+    :math:`\theta_{m,p}` the local fragment as it is then (after
+    :math:`\tau` more inner steps), as torchft merges at
+    ``perform_sync``. With :math:`\tau = 1` the exchange and the merge are
+    both in step :math:`s + 1`.
+
+  :math:`\tau = 0` does all three in step :math:`s`, synchronously.
+  torchft counts a fragment's offset at its merge (it *prepares* at
+  :math:`o_p - \tau`); here, as in Streaming DiLoCo's Algorithm 2, at the
+  step the outer gradient is taken.
+
+  Bytes: a step with no exchange sends nothing, and
+  ``qsgd_jax.compression_stats(state).wire_bits`` reads zero; on an
+  exchange step it is what ``average`` sent for the fragment. Sum
+  ``wire_bits`` over :math:`H` consecutive steps for a round's bits (each
+  fragment once); over :math:`H` again for the average per step.
+  ``float32_bits`` is what a float32 all-reduce of all the gradients (data
+  parallel) sends every step, so the sums' ratio is the saving.
+
+  Non-finite values: a device whose inner update is not finite skips its
+  step (its update zero, its inner state kept) and sends its unchanged
+  parameters at the next sync, so nothing non-finite reaches the global
+  parameters. A non-finite averaged outer gradient (it is the same on every
+  device) skips the round on every device together: the global parameters,
+  the outer optimizer's state and the average's state (error feedback) are
+  kept, and every device takes the fragment back to the global parameters,
+  as torchft restores them when a sync does not commit.
+
+  Layouts: between syncs the devices hold different parameters. Under
+  ``jax.pmap`` nothing is needed. Under ``jax.shard_map``, lay the
+  parameters out along ``axis_name`` (each device's copy stacked along the
+  first dimension, ``in_specs=P(axis_name)``) and the state with
+  :func:`~qsgd_jax.state_partition_specs`; parameters replicated over the
+  axis raise a ``ValueError``. On a two-level mesh, ``inner`` may average
+  over a fast inner axis (``optax.chain(qsgd_jax.compressed_allreduce(
+  qsgd_jax.Identity(), "inner"), optax.adamw(...))``) while DiLoCo runs
+  over the slow outer one. :func:`~qsgd_jax.data_parallel`, whose
+  parameters are replicated, does not run it.
+
+  Args:
+    inner: the inner optimizer (``optax.adamw`` in the papers), or a chain
+      that averages over a faster axis first; its state is kept per device
+      across rounds. It is given this device's params and extra arguments.
+    axis_name: the mapped axis (or axes) along which the workers lie, or
+      ``None`` for one worker alone (no collective: ``optax.lookahead``
+      with an outer optimizer).
+    sync_every: :math:`H`, the steps between two syncs of a fragment.
+    outer_optimizer: updates the global parameters with the averaged outer
+      gradient; ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` by default
+      (DiLoCo's). Each fragment has its own state.
+    average: how the outer gradient is averaged over ``axis_name``: ``None``
+      for a float32 ``jax.lax.pmean``, or an averaging transform of this
+      library bound to the same axis, e.g. ``qsgd_jax.qsgd(axis_name,
+      bits=4, error_feedback=True)``, ``qsgd_jax.onebit_sgd(axis_name)`` or
+      ``qsgd_jax.compressed_allreduce(qsgd_jax.Cast(jnp.bfloat16),
+      axis_name)``. Its axis cannot be read from it; under ``jax.shard_map``
+      an average over another axis is caught by its result still differing
+      across ``axis_name``.
+    fragments: :math:`P`, an int: the default partition strides the model's
+      top-level modules over the fragments (for a Flax
+      ``{'params': {'Block_0': ..., 'Block_1': ..., 'Embed_0': ...}}``,
+      ``Block_0`` to fragment 0, ``Block_1`` to 1, ...; in natural order;
+      by leaf where there are fewer modules than fragments); or a function
+      from the params to a pytree of ints, each leaf's fragment.
+    delay: :math:`\tau`, the steps between a fragment's sync and its merge;
+      below ``sync_every // P``, as torchft requires, so that at most one
+      fragment is in flight.
+    alpha: the merge's weight of the local parameters, in :math:`[0, 1]`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. ``init(params)`` assumes
+    every device starts from the same params (under ``jax.shard_map`` the
+    global copy is broadcast from the first device). ``update(grads, state,
+    params)`` needs ``params`` and runs inside ``jax.pmap`` or
+    ``jax.shard_map`` over ``axis_name``; apply its updates unchanged.
+
+  Raises:
+    ValueError: a bad ``sync_every``, ``delay``, ``alpha`` or
+      ``fragments``; an ``update`` without params, with params replicated
+      over the axis, with an ``average`` over another axis, or with a
+      state from another configuration or number of workers.
+
+  Examples:
+    Eight workers (``jax.vmap`` here; ``jax.pmap`` or ``jax.shard_map`` on
+    devices), each pulled to its own target, sync every 5 steps; the global
+    parameters find the targets' mean, 3.5:
+
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> tx = qsgd_jax.diloco(optax.sgd(0.1), "workers", sync_every=5,
+    ...                      outer_optimizer=optax.sgd(1.0))
+    >>> def train(target):
+    ...   def step(carry, _):
+    ...     params, state = carry
+    ...     updates, state = tx.update(params - target, state, params)
+    ...     return (optax.apply_updates(params, updates), state), None
+    ...   params = jnp.zeros(2)
+    ...   (params, state), _ = jax.lax.scan(step, (params, tx.init(params)), length=100)
+    ...   return state.global_params
+    >>> global_params = jax.vmap(train, axis_name="workers")(jnp.arange(8.0)[:, None])
+    >>> bool(jnp.allclose(global_params, 3.5, atol=1e-3))
+    True
+
+  References:
+    Douillard et al., `DiLoCo: Distributed Low-Communication Training of
+    Language Models <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm
+    1); Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025 (Algorithm 2); torchft's
+    ``DiLoCo`` (pytorch/torchft, ``torchft/local_sgd.py``).
+  """
+  if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+    raise ValueError(f"{_OWNER}: sync_every must be a positive int, got {sync_every!r}.")
+  if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+    raise ValueError(f"{_OWNER}: delay must be a non-negative int, got {delay!r}.")
+  if not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+    raise ValueError(
+        f"{_OWNER}: alpha must be in [0, 1] (the merge's weight of the local parameters; 0 "
+        f"takes the global ones), got {alpha!r}.")
+  if isinstance(fragments, int) and not isinstance(fragments, bool):
+    diloco_fragments.assign([0] * max(fragments, 1), fragments)  # Checks P >= 1 now.
+    diloco_checks.check_schedule(sync_every, fragments, delay)
+  parsed = axes.parse(axis_name, _OWNER)
+  inner = optax.with_extra_args_support(inner)
+  if outer_optimizer is None:
+    outer_optimizer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+  def plan(params):
+    count, ids = diloco_fragments.assign(params, fragments)
+    diloco_checks.check_schedule(sync_every, count, delay)
+    members = tuple(tuple(i for i, f in enumerate(ids) if f == p) for p in range(count))
+    return members, diloco_fragments.offsets(sync_every, count)
+
+  def make_state(params, global_params):
+    members, _ = plan(params)
+    leaves = jax.tree.leaves(global_params)
+    zeros = [jnp.zeros(x.shape, jnp.float32) for x in leaves]
+    return DiLoCoState(
+        count=jnp.zeros((), jnp.int32),
+        stats=stats.empty(),
+        global_params=global_params,
+        outer_states=tuple(outer_optimizer.init(tuple(leaves[i] for i in m)) for m in members),
+        inner_state=jax.tree.map(lambda x: x[None], inner.init(params)),
+        average_states=tuple(optax.EmptyState() if average is None
+                             else average.init(tuple(zeros[i] for i in m)) for m in members),
+        outer_gradients=(tuple(tuple(zeros[i][None] for i in m) for m in members)
+                         if delay else ()),
+        averaged_gradients=tuple(tuple(zeros[i] for i in m) for m in members) if delay else (),
+    )
+
+  def init_fn(params):
+    base.check_float_leaves(params, _OWNER)
+    return make_state(params, diloco_checks.from_first_device(params, parsed))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{_OWNER}: update needs this device's params: call "
+                       "update(grads, state, params).")
+    base.check_float_leaves(params, _OWNER)
+    members, offsets = plan(params)
+    diloco_checks.check_state(state, jax.eval_shape(make_state, params, params), DiLoCoState)
+    if parsed.is_local:
+      size = 1
+    else:
+      size = math.prod(parsed.sizes(_OWNER))
+      axes.check_not_in_apply_if_finite(
+          _OWNER, "Wrap the inner optimizer instead: diloco skips a device's non-finite "
+          "inner step by itself, and a non-finite outer gradient on every device together.")
+      diloco_checks.check_laid_out(params, parsed)
+
+    inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
+    inner_updates, new_inner_state = inner.update(updates, inner_state, params, **extra_args)
+    finite = _all_finite(inner_updates)
+    inner_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
+                                 inner_updates)
+    new_inner_state = _select(finite, new_inner_state, inner_state)
+
+    leaves, treedef = jax.tree.flatten(params)
+    steps = treedef.flatten_up_to(inner_updates)
+    local = [(x + u).astype(x.dtype) for x, u in zip(leaves, steps, strict=True)]
+    global_leaves = list(treedef.flatten_up_to(state.global_params))
+    out = list(steps)
+    outer_states = list(state.outer_states)
+    average_states = list(state.average_states)
+    outer_gradients = list(state.outer_gradients)
+    averaged_gradients = list(state.averaged_gradients)
+    wire_bits = outer_wire_bits = jnp.float32(0)
+    step = state.count + 1
+    exchange = functools.partial(_exchange, average=average, parsed=parsed, size=size)
+
+    for p, (member, offset) in enumerate(zip(members, offsets, strict=True)):
+      phase = (step - offset) % sync_every
+
+      def at(k, phase=phase, offset=offset):  # The sync step, or k steps after one.
+        return (phase == k) & (step >= offset + k)
+
+      def outer_step(averaged, member=member, p=p):
+        return _outer_step(
+            averaged, [global_leaves[i] for i in member], [local[i] for i in member],
+            [leaves[i] for i in member], outer_states[p], outer_optimizer, alpha, parsed)
+
+      def merged(result, member=member, p=p):
+        merged_updates, new_global, outer_states[p] = result
+        for i, u, g in zip(member, merged_updates, new_global, strict=True):
+          out[i], global_leaves[i] = u, g
+
+      def skip_merge(member=member, p=p):
+        return ([out[i] for i in member], [global_leaves[i] for i in member], outer_states[p])
+
+      delta = tuple(global_leaves[i].astype(jnp.float32) - local[i].astype(jnp.float32)
+                    for i in member)
+      if not delay:
+        def sync(delta=delta, p=p, outer_step=outer_step):
+          averaged, average_state, bits = exchange(delta, average_states[p])
+          return outer_step(averaged), average_state, bits
+
+        def no_sync(p=p, skip_merge=skip_merge):
+          return skip_merge(), average_states[p], (jnp.float32(0), jnp.float32(0))
+
+        result, average_states[p], bits = _cond(at(0), sync, no_sync)
+        merged(result)
+      else:
+        outer_gradients[p] = _cond(at(0), lambda delta=delta: tuple(d[None] for d in delta),
+                                   lambda p=p: outer_gradients[p])
+
+        def send(p=p):
+          return exchange(tuple(d[0] for d in outer_gradients[p]), average_states[p])
+
+        def hold(p=p):
+          return (averaged_gradients[p], average_states[p], (jnp.float32(0), jnp.float32(0)))
+
+        averaged_gradients[p], average_states[p], bits = _cond(at(1), send, hold)
+        merged(_cond(at(delay), lambda p=p, outer_step=outer_step: outer_step(
+            averaged_gradients[p]), skip_merge))
+      wire_bits += bits[0]
+      outer_wire_bits += bits[1]
+
+    float32_bits = wire.float32_allreduce_bits(sum(x.size for x in leaves), size)
+    new_state = DiLoCoState(
+        count=optax.safe_increment(state.count),
+        stats=stats.make(wire_bits, float32_bits, jnp.nan, outer_wire_bits, float32_bits),
+        global_params=treedef.unflatten(global_leaves),
+        outer_states=tuple(outer_states),
+        inner_state=jax.tree.map(lambda x: x[None], new_inner_state),
+        average_states=tuple(average_states),
+        outer_gradients=tuple(outer_gradients),
+        averaged_gradients=tuple(averaged_gradients),
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _exchange(delta, average_state, *, average, parsed: axes.Axes, size: int):
+  """The averaged outer gradient, the average's new state and the bits sent (all, outer)."""
+  if average is None:
+    if parsed.is_local:
+      return delta, average_state, (jnp.float32(0), jnp.float32(0))
+    averaged = tuple(jax.lax.pmean(d, parsed.name) for d in delta)
+    bits = jnp.float32(wire.float32_allreduce_bits(sum(d.size for d in delta), size))
+    new_state = average_state
+  else:
+    averaged, new_state = average.update(delta, average_state, None)
+    averaged = tuple(averaged)
+  diloco_checks.check_averaged(averaged, parsed)
+  sent = None if average is None else stats.compression_stats(new_state)
+  if sent is not None:
+    bits = sent.wire_bits
+  elif average is not None:  # An average of the user's own, which keeps no stats.
+    bits = jnp.float32(jnp.nan)
+  outer_bits = bits if sent is None else sent.outer_wire_bits
+  # A round skipped for a non-finite average keeps the average's state (its error feedback).
+  new_state = _select(_all_finite(averaged), new_state, average_state)
+  return averaged, new_state, (bits, outer_bits)
+
+
+def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optimizer,
+                alpha: float, parsed: axes.Axes):
+  """One fragment's outer step and merge: its updates, new global leaves and outer state.
+
+  A non-finite ``averaged`` keeps the global leaves and the outer state, and
+  takes the device's fragment back to the global leaves.
+  """
+  global_leaves = tuple(global_leaves)
+  grads = tuple(a.astype(g.dtype) for a, g in zip(averaged, global_leaves, strict=True))
+  outer_updates, new_outer_state = outer_optimizer.update(grads, outer_state, global_leaves)
+  new_global = optax.apply_updates(global_leaves, outer_updates)
+  finite = _all_finite(averaged)
+  new_global = _select(finite, new_global, global_leaves)
+  new_outer_state = _select(finite, new_outer_state, outer_state)
+  updates = []
+  for g, x, theta in zip(new_global, local, params, strict=True):
+    # torchft's merge: p.lerp_(local, alpha), the global value plus alpha of the way to local.
+    target = jnp.where(finite, (g + alpha * (x - g)).astype(x.dtype) if alpha else g, g)
+    updates.append(axes.as_varying((target - theta).astype(theta.dtype), parsed.name))
+  return updates, list(new_global), new_outer_state
+
+
+def _cond(predicate, true_fn, false_fn):
+  """``jax.lax.cond`` on a step-count predicate, the same on every device."""
+  return jax.lax.cond(predicate, true_fn, false_fn)
+
+
+def _all_finite(tree) -> jax.Array:
+  """Whether every float leaf of ``tree`` is finite (a sum of ``x * 0`` is, exactly then)."""
+  sums = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in jax.tree.leaves(tree)
+          if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return jnp.isfinite(sum(sums)) if sums else jnp.bool_(True)
+
+
+def _select(condition, new, old):
+  """``new`` where ``condition``, else ``old``, leaf by leaf (PRNG keys by their data)."""
+
+  def select(n, o):
+    if jnp.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
+      data = jnp.where(condition, jax.random.key_data(n), jax.random.key_data(o))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
+    return jnp.where(condition, n, o)
+
+  return jax.tree.map(select, new, old)

@@ -1,0 +1,95 @@
+"""What :func:`qsgd_jax.diloco` checks of its arguments, state and layout, and its global copy."""
+
+import jax
+import jax.numpy as jnp
+
+from qsgd_jax._src import axes
+
+_OWNER = "qsgd_jax.diloco"
+
+
+def check_schedule(sync_every: int, count: int, delay: int) -> None:
+  if count > sync_every:
+    raise ValueError(
+        f"{_OWNER}: {count} fragments cannot each sync once in sync_every={sync_every} steps: "
+        "pass at most sync_every fragments.")
+  interval = sync_every // count
+  if delay >= interval:
+    raise ValueError(
+        f"{_OWNER}: delay={delay} must be below the fragment interval sync_every // fragments "
+        f"= {sync_every} // {count} = {interval} (as torchft requires), so that a fragment "
+        "merges before the next one syncs. Lower delay or raise sync_every.")
+
+
+def check_state(state, expected, state_type: type) -> None:
+  """Raises where ``state`` is not laid out as this configuration's state for these params."""
+  if not isinstance(state, state_type):
+    raise ValueError(f"{_OWNER}: the state is a {type(state).__name__}, not a DiLoCoState: "
+                     "pass the state this transformation's init returned.")
+  expected_leaves, expected_tree = jax.tree_util.tree_flatten_with_path(expected)
+  held_tree = jax.tree.structure(state)
+  if held_tree != expected_tree:
+    raise ValueError(
+        f"{_OWNER}: the state's tree differs from what this configuration (inner, outer "
+        "optimizer, average, fragments, delay) makes for these params: it comes from another "
+        "configuration. Build it with this transformation's init.")
+  for (path, want), held in zip(expected_leaves, jax.tree.leaves(state), strict=True):
+    if jnp.shape(held) != want.shape or jnp.result_type(held) != want.dtype:
+      raise ValueError(
+          f"{_OWNER}: state leaf {jax.tree_util.keystr(path)} is "
+          f"{jnp.result_type(held)}{list(jnp.shape(held))}, this step needs "
+          f"{want.dtype}{list(want.shape)}: the state comes from another configuration or "
+          "number of workers. Take it to this one with qsgd_jax.resize_state, or init again.")
+
+
+def check_laid_out(params, parsed: axes.Axes) -> None:
+  """Raises where, under ``jax.shard_map``, a parameter is replicated over the workers' axis."""
+  names = axes.tracked(parsed.names)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    missing = [name for name in names if name not in jax.typeof(leaf).manual_axis_type.varying]
+    if missing:
+      raise ValueError(
+          f"{_OWNER}: params leaf {jax.tree_util.keystr(path) or '<root>'} is replicated over "
+          f"axis {missing[0]!r}, but between syncs every worker holds parameters of its own. "
+          f"Lay the params out along the axis: each device's copy stacked along the first "
+          f"dimension, in_specs=P({parsed.name!r}) and out_specs=P({parsed.name!r}) for them "
+          "in jax.shard_map, and the state laid out by qsgd_jax.state_partition_specs.")
+
+
+def check_averaged(averaged, parsed: axes.Axes) -> None:
+  """Raises where, under ``jax.shard_map``, the average still differs across the workers."""
+  names = axes.tracked(parsed.names) if not parsed.is_local else ()
+  for leaf in averaged:
+    varying = [name for name in names if name in jax.typeof(leaf).manual_axis_type.varying]
+    if varying:
+      raise ValueError(
+          f"{_OWNER}: average returned an outer gradient that still differs across axis "
+          f"{varying[0]!r}: it must average over axis_name={parsed.name!r}. Build it with the "
+          f"same axis, e.g. qsgd_jax.qsgd({parsed.name!r}, bits=4, error_feedback=True).")
+
+
+def from_first_device(params, parsed: axes.Axes):
+  """A copy of ``params``; under ``jax.shard_map``, the first device's, the same everywhere.
+
+  A leaf that varies over mapped axes (the workers' and any other) is
+  broadcast over them from the device of index 0, so that the global copy is
+  replicated, as ``P()`` lays it out.
+  """
+  if parsed.is_local:
+    return jax.tree.map(jnp.copy, params)
+  try:
+    tracked = axes.tracked(parsed.names)
+  except NameError:  # init outside the mapped function (e.g. jax.eval_shape).
+    tracked = ()
+  if not tracked:
+    return jax.tree.map(jnp.copy, params)
+
+  def broadcast(x):
+    varying = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+    if not varying:
+      return jnp.copy(x)
+    first = jax.lax.axis_index(varying) == 0
+    # x + 0 + ... + 0 is x exactly: a broadcast from the first device.
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), varying)
+
+  return jax.tree.map(broadcast, params)

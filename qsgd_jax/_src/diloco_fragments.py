@@ -1,0 +1,103 @@
+"""Which parameters make up each fragment of Streaming DiLoCo, and when each fragment syncs."""
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+_OWNER = "qsgd_jax.diloco"
+Fragments = int | Callable[[Any], Any]
+
+
+def assign(params, fragments: Fragments) -> tuple[int, tuple[int, ...]]:
+  """The number of fragments and each leaf's fragment (in ``jax.tree.leaves`` order).
+
+  Args:
+    params: the parameters (arrays or shapes).
+    fragments: a positive int ``P`` (the default strided partition, see
+      :func:`strided`) or a function from ``params`` to a pytree of ints, one
+      for each leaf (or for each subtree, which all its leaves then share).
+
+  Raises:
+    ValueError: ``P < 1``, more fragments than leaves, a fragment id out of
+      range, or a fragment without leaves.
+  """
+  leaves = jax.tree.leaves(params)
+  if callable(fragments):
+    given = fragments(params)
+    try:
+      ids = jax.tree.structure(params).flatten_up_to(
+          jax.tree.broadcast(given, params, is_leaf=lambda x: x is None))
+    except (ValueError, TypeError) as error:
+      raise ValueError(
+          f"{_OWNER}: fragments(params) must return a pytree of ints shaped like params (or a "
+          f"prefix of it), got {given!r}: {error}") from None
+    ids = tuple(_fragment_id(i) for i in ids)
+    count = max(ids, default=-1) + 1
+    empty = sorted(set(range(count)) - set(ids))
+    if empty:
+      raise ValueError(
+          f"{_OWNER}: fragments(params) gives no leaf to fragment(s) {empty} of 0..{count - 1}: "
+          "number the fragments 0, 1, ..., P - 1 with every number used.")
+    return count, ids
+  if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+    raise ValueError(
+        f"{_OWNER}: fragments must be a positive int or a function from the params to each "
+        f"leaf's fragment, got {fragments!r}.")
+  if fragments > len(leaves):
+    raise ValueError(
+        f"{_OWNER}: fragments={fragments} but the params have {len(leaves)} leaves: every "
+        "fragment needs at least one leaf. Pass fewer fragments.")
+  return fragments, strided(params, fragments)
+
+
+def strided(params, count: int) -> tuple[int, ...]:
+  """The default partition: the model's top-level modules, strided over the fragments.
+
+  The *modules* are the children of the first node of ``params`` with more
+  than one child, going down through nodes with a single child (Flax's
+  ``{'params': {...}}``): for ``{'params': {'Block_0': ..., 'Block_1': ...,
+  'Embed_0': ...}}`` they are ``Block_0``, ``Block_1``, ``Embed_0``. They are
+  put in natural order (``Block_2`` before ``Block_10``) and module ``k``
+  goes to fragment ``k mod count``, every leaf of a module with it, as
+  Streaming DiLoCo strides its transformer blocks over the fragments. With
+  fewer modules than fragments, leaf ``i`` (in ``jax.tree.leaves`` order)
+  goes to fragment ``i mod count`` instead.
+  """
+  paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  depth = 0
+  while all(len(path) > depth for path in paths) and len({path[depth] for path in paths}) == 1:
+    depth += 1
+  module_of = [path[depth] if len(path) > depth else None for path in paths]
+  modules = sorted(set(module_of), key=lambda entry: _natural_key(str(entry)))
+  if len(modules) < count:
+    return tuple(i % count for i in range(len(paths)))
+  index = {module: k for k, module in enumerate(modules)}
+  return tuple(index[module] % count for module in module_of)
+
+
+def offsets(sync_every: int, count: int) -> tuple[int, ...]:
+  """Fragment ``p``'s offset ``(p + 1) * sync_every // count``: it syncs when
+  ``(step + 1 - offset) % sync_every == 0``, ``step`` counted from 0.
+
+  The offsets are spread evenly over a round, the last fragment's equal to
+  ``sync_every`` (so one fragment syncs as DiLoCo does, every
+  ``sync_every``-th step); torchft's ``DiLoCo`` gives fragment ``p`` the same
+  offset, ``floor(sync_every / P * (p + 1))`` (``torchft/local_sgd.py``).
+  """
+  return tuple((p + 1) * sync_every // count for p in range(count))
+
+
+def _fragment_id(value) -> int:
+  array = np.asarray(value)
+  if array.shape != () or not np.issubdtype(array.dtype, np.integer) or int(array) < 0:
+    raise ValueError(
+        f"{_OWNER}: fragments(params) must give each leaf a non-negative int, got {value!r}.")
+  return int(array)
+
+
+def _natural_key(name: str) -> tuple:
+  return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+               for part in re.findall(r"\d+|\D+", name))

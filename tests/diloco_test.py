@@ -1,0 +1,461 @@
+"""Tests of DiLoCo and Streaming DiLoCo (qsgd_jax.diloco) against NumPy references."""
+
+import chex
+import diloco_reference as reference
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qsgd_jax
+from qsgd_jax import DiLoCoState, diloco
+
+AXIS = "workers"
+WORKERS = 8
+
+
+def _params():
+  """A Flax-like tree: three top-level modules, four leaves."""
+  rng = np.random.default_rng(0)
+  return {"params": {
+      "Block_0": {"kernel": rng.normal(size=(4, 3)).astype(np.float32)},
+      "Block_1": {"bias": rng.normal(size=(3,)).astype(np.float32),
+                  "kernel": rng.normal(size=(4, 3)).astype(np.float32)},
+      "Embed_0": {"embedding": rng.normal(size=(5, 3)).astype(np.float32)},
+  }}
+
+
+# Leaves in jax.tree.leaves order: Block_0/kernel, Block_1/bias, Block_1/kernel, Embed_0.
+_TWO_FRAGMENTS = (0, 1, 1, 0)
+
+
+def _targets(steps, workers=WORKERS, seed=1):
+  """Worker m's target at step t, one a leaf: its gradient is params - target."""
+  rng = np.random.default_rng(seed)
+  leaves = jax.tree.leaves(_params())
+  return [[rng.normal(size=(workers, *x.shape)).astype(np.float32) for x in leaves]
+          for _ in range(steps)]
+
+
+def _reference_grad(targets):
+  return lambda m, t, theta: [x - c[m] for x, c in zip(theta, targets[t], strict=True)]
+
+
+def _stack(tree, n=WORKERS):
+  return jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))).copy(), tree)
+
+
+def _step(tx):
+  def step(params, state, target):
+    grads = jax.tree.map(lambda x, c: x - c, params, target)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def _run_pmap(tx, targets, steps):
+  """Local params and state after every step, under jax.pmap."""
+  treedef = jax.tree.structure(_params())
+  params = _stack(_params())
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  step = jax.pmap(_step(tx), axis_name=AXIS)
+  history = []
+  for t in range(steps):
+    params, state = jax.block_until_ready(
+        step(params, state, jax.tree.unflatten(treedef, targets[t])))
+    history.append((params, state))
+  return history
+
+
+def _run_shard_map(tx, targets, steps):
+  """The same under jax.shard_map, params laid out along the axis (a leading axis each)."""
+  mesh = jax.make_mesh((WORKERS,), (AXIS,))
+  treedef = jax.tree.structure(_params())
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), AXIS)
+  own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+  stacked = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+  init = jax.jit(jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(AXIS),
+                               out_specs=specs))
+  step = jax.jit(jax.shard_map(
+      lambda p, s, c: (lambda out: (stacked(out[0]), out[1]))(_step(tx)(own(p), s, own(c))),
+      mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs)))
+  put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(AXIS)))  # noqa: E731
+  params = put(_stack(_params()))
+  state = init(params)
+  history = []
+  for t in range(steps):
+    params, state = jax.block_until_ready(
+        step(params, state, put(jax.tree.unflatten(treedef, targets[t]))))
+    history.append((params, state))
+  return history
+
+
+_RUNS = {"pmap": _run_pmap, "shard_map": _run_shard_map}
+
+
+def _check_against(history, local_history, global_history, shard_map=False):
+  for t, ((params, state), local, global_) in enumerate(
+      zip(history, local_history, global_history, strict=True)):
+    got = [np.asarray(x) for x in jax.tree.leaves(params)]
+    for m in range(WORKERS):
+      for leaf, want in zip(got, local[m], strict=True):
+        np.testing.assert_allclose(leaf[m], want, rtol=2e-5, atol=2e-5,
+                                   err_msg=f"step {t}, worker {m}")
+    held = [np.asarray(x) for x in jax.tree.leaves(state.global_params)]
+    for leaf, want in zip(held, global_, strict=True):
+      copies = [leaf] if shard_map else list(leaf)
+      for copy in copies:  # The global copy: the same bits on every device.
+        np.testing.assert_array_equal(copy, copies[0])
+        np.testing.assert_allclose(copy, want, rtol=2e-5, atol=2e-5, err_msg=f"step {t}")
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_algorithm1_matches_reference(mapping):
+  sync_every, rounds = 3, 3
+  targets = _targets(sync_every * rounds)
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=sync_every)
+  history = _RUNS[mapping](tx, targets, sync_every * rounds)
+  local, global_ = reference.diloco(
+      jax.tree.leaves(_params()), _reference_grad(targets), workers=WORKERS, rounds=rounds,
+      sync_every=sync_every, inner=reference.SGD(0.1),
+      outer=reference.SGD(0.7, momentum=0.9, nesterov=True))
+  _check_against(history, local, global_, shard_map=mapping == "shard_map")
+
+
+@pytest.mark.parametrize("mapping, sync_every, delay, alpha, steps", [
+    ("pmap", 4, 1, 0.5, 11),
+    ("shard_map", 4, 1, 0.5, 11),
+    ("pmap", 6, 2, 0.0, 13),  # The exchange at s + 1, the merge at s + 2.
+])
+def test_streaming_matches_reference(mapping, sync_every, delay, alpha, steps):
+  targets = _targets(steps)
+  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=delay,
+              alpha=alpha)
+  history = _RUNS[mapping](tx, targets, steps)
+  local, global_ = reference.streaming_diloco(
+      jax.tree.leaves(_params()), _reference_grad(targets), workers=WORKERS, steps=steps,
+      sync_every=sync_every, fragment_of=_TWO_FRAGMENTS, inner=reference.Adam(0.05),
+      outer=reference.SGD(0.7, momentum=0.9, nesterov=True), delay=delay, alpha=alpha)
+  _check_against(history, local, global_, shard_map=mapping == "shard_map")
+
+def _quadratic_grads(params, t):
+  """A gradient that moves with the step: params - target_t."""
+  return jax.tree.map(lambda x: x - jnp.sin(t + jnp.arange(x.size).reshape(x.shape)), params)
+
+
+def _run_one_device(tx, steps, params=None):
+  params = _params() if params is None else params
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for t in range(steps):
+    updates, state = update(_quadratic_grads(params, t), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_one_device_equals_lookahead():
+  tx = diloco(optax.adam(0.05), None, sync_every=3, outer_optimizer=optax.sgd(0.5))
+  params, state = _run_one_device(tx, 8)
+  lookahead = optax.lookahead(optax.adam(0.05), sync_period=3, slow_step_size=0.5)
+  both = optax.LookaheadParams.init_synced(_params())
+  look_state = lookahead.init(both)
+  update = jax.jit(lookahead.update)
+  for t in range(8):
+    updates, look_state = update(_quadratic_grads(both.fast, t), look_state, both)
+    both = optax.apply_updates(both, updates)
+  # diloco's params are lookahead's fast ones, its global copy the slow ones.
+  chex.assert_trees_all_close(params, both.fast, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(state.global_params, both.slow, rtol=1e-6, atol=1e-6)
+
+
+def test_outer_sgd_at_one_is_the_inner_optimizer():
+  tx = diloco(optax.adam(0.05), None, sync_every=3, outer_optimizer=optax.sgd(1.0))
+  params, _ = _run_one_device(tx, 7)
+  alone, _ = _run_one_device(optax.adam(0.05), 7)
+  chex.assert_trees_all_close(params, alone, rtol=1e-6, atol=1e-6)
+
+
+def _compressed_tx():
+  average = qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=8, key=5)
+  return diloco(optax.sgd(0.1), AXIS, sync_every=4, fragments=2, average=average)
+
+
+@pytest.fixture(scope="module")
+def compressed_run():
+  """Eight steps of DiLoCo with a 4-bit outer average, two fragments, under jax.pmap."""
+  tx = _compressed_tx()
+  targets = _targets(8)
+  treedef = jax.tree.structure(_params())
+  traced = chex.assert_max_traces(_step(tx), n=1)
+  step = jax.pmap(traced, axis_name=AXIS)
+  params = jax.pmap(lambda x: x, axis_name=AXIS)(_stack(_params()))
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  history = [(params, state)]
+  for t in range(8):  # Traced once: the second call reuses the first's program.
+    params, state = jax.block_until_ready(
+        step(params, state, jax.tree.unflatten(treedef, targets[t])))
+    history.append((params, state))
+  return step, targets, history
+
+
+def test_compressed_average_keeps_its_error_feedback(compressed_run):
+  _, _, history = compressed_run
+  # Fragment 0 syncs at steps 1 and 5 (offset 2), fragment 1 at steps 3 and 7 (offset 4).
+  exchanges = {0: (1, 5), 1: (3, 7)}
+  for p, steps in exchanges.items():
+    for t in range(8):
+      before = history[t][1].average_states[p].local_error
+      after = history[t + 1][1].average_states[p].local_error
+      if t in steps:
+        assert all(np.any(np.asarray(a) != np.asarray(b))
+                   for a, b in zip(after, before, strict=True))
+      else:  # Between its exchanges a fragment's residuals stay as they were.
+        chex.assert_trees_all_equal(after, before)
+  errors = history[-1][1].average_states[0].local_error
+  assert all(np.any(np.asarray(e) != 0) for e in errors)
+  for _, state in history:  # The global copy: the same bits on every device.
+    for leaf in jax.tree.leaves(state.global_params):
+      np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape))
+  assert np.all(np.isfinite(np.asarray(jax.tree.leaves(history[-1][0])[0])))
+
+
+def test_stats_count_only_exchange_steps(compressed_run):
+  _, _, history = compressed_run
+  bits = [float(qsgd_jax.compression_stats(state).wire_bits[0]) for _, state in history[1:]]
+  assert [t for t, b in enumerate(bits) if b != 0] == [1, 3, 5, 7]
+  assert all(b > 0 for b in bits[1::2])
+  quiet = qsgd_jax.compression_stats(history[3][1])  # After step 2: nothing sent.
+  assert float(quiet.float32_bits[0]) > 0 and float(quiet.compression_ratio[0]) == np.inf
+  # An exchange step sends what the fragment's average sent.
+  sent = qsgd_jax.compression_stats(history[2][1].average_states[0])
+  assert bits[1] == float(sent.wire_bits[0])
+
+
+def test_host_round_trip_mid_round_continues_bit_identically(compressed_run):
+  step, targets, history = compressed_run
+  treedef = jax.tree.structure(_params())
+  host = jax.device_get(history[2])  # Mid-round: fragment 0 synced, fragment 1 not.
+  params, state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, history[2]))
+  for t in range(2, 8):
+    params, state = jax.block_until_ready(
+        step(params, state, jax.tree.unflatten(treedef, targets[t])))
+  chex.assert_trees_all_equal(jax.device_get((params, state)), jax.device_get(history[-1]))
+
+
+def _pmap_grads_run(tx, grads_per_step, params):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  step = jax.pmap(step, axis_name=AXIS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+  history = [(params, state)]
+  for grads in grads_per_step:
+    params, state = jax.block_until_ready(step(params, state, grads))
+    history.append((params, state))
+  return history
+
+
+def test_non_finite_inner_step_skips_on_that_device():
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=3)
+  params = {"w": np.zeros((WORKERS, 16), np.float32)}
+  grads = [{"w": np.ones((WORKERS, 16), np.float32) * (t + 1)} for t in range(3)]
+  grads[1]["w"][2, 5] = np.nan
+  history = _pmap_grads_run(tx, grads, params)
+  (before, state_before), (after, state_after) = history[1], history[2]
+  np.testing.assert_array_equal(after["w"][2], before["w"][2])  # Its update was zero.
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x[2], state_after.inner_state),
+                              jax.tree.map(lambda x: x[2], state_before.inner_state))
+  assert np.all(after["w"][3] != before["w"][3])  # The others stepped.
+  final_params, final_state = history[3]
+  assert np.all(np.isfinite(final_state.global_params["w"]))
+  assert np.all(np.isfinite(final_params["w"]))
+
+
+def test_non_finite_outer_gradient_skips_the_round_everywhere():
+  average = qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=8)
+  tx = diloco(optax.sgd(1.0), AXIS, sync_every=2, average=average)
+  params = {"w": np.zeros((WORKERS, 16), np.float32)}
+  rng = np.random.default_rng(0)
+  grads = [{"w": rng.normal(size=(WORKERS, 16)).astype(np.float32)} for _ in range(4)]
+  # Device 0 steps to 3e38, then past float32's largest: its outer gradient is -inf.
+  grads[2]["w"][0] = -3e38
+  grads[3]["w"][0] = -3e38
+  history = _pmap_grads_run(tx, grads, params)
+  (_, synced), (final, skipped) = history[2], history[4]
+  assert np.all(np.isfinite(synced.global_params["w"]))
+  chex.assert_trees_all_equal(skipped.global_params, synced.global_params)
+  chex.assert_trees_all_equal(skipped.outer_states, synced.outer_states)
+  chex.assert_trees_all_equal(skipped.average_states[0].local_error,
+                              synced.average_states[0].local_error)
+  # Every device goes back to the global parameters, as torchft restores them (to the
+  # rounding of params + (global - params): device 0's params were 3e38).
+  np.testing.assert_allclose(final["w"][1:], np.asarray(skipped.global_params["w"][1:]),
+                             atol=1e-6)
+  assert np.all(np.isfinite(final["w"]))
+
+
+def test_default_partition_strides_top_level_modules():
+  blocks = {f"Block_{i}": {"kernel": np.zeros((2, 2), np.float32)} for i in range(12)}
+  params = {"params": {**blocks, "Embed_0": {"embedding": np.zeros(3, np.float32)}}}
+  tx = diloco(optax.sgd(0.1), None, sync_every=4, fragments=2,
+              outer_optimizer=optax.sgd(0.7, momentum=0.9))
+  state = tx.init(params)
+  # Natural order Block_0, ..., Block_11, Embed_0: even ones to fragment 0, odd to 1.
+  sizes = [[x.size for x in jax.tree.leaves(s)] for s in state.outer_states]
+  assert sizes == [[4] * 6 + [3], [4] * 6]
+  assert [x.shape for x in jax.tree.leaves(state.outer_states[0])][-1] == (3,)
+  by_function = diloco(optax.sgd(0.1), None, sync_every=4, fragments=lambda p: {
+      "params": {**{name: 0 for name in blocks}, "Embed_0": 1}})
+  state = by_function.init(params)
+  assert [len(jax.tree.leaves(s)) for s in state.outer_states] == [12, 1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sync_every=0), "sync_every must be a positive int"),
+    (dict(sync_every=4, fragments=2, delay=2), "delay=2 must be below the fragment interval"),
+    (dict(sync_every=4, alpha=1.5), "alpha must be in"),
+    (dict(sync_every=4, alpha=-0.1), "alpha must be in"),
+    (dict(sync_every=4, fragments=0), "fragments must be a positive int"),
+    (dict(sync_every=2, fragments=3), "cannot each sync once"),
+])
+def test_bad_arguments(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    diloco(optax.sgd(0.1), AXIS, **kwargs)
+
+
+def test_bad_fragments_for_the_params():
+  with pytest.raises(ValueError, match="fragments=5 but the params have 4 leaves"):
+    diloco(optax.sgd(0.1), None, sync_every=8, fragments=5).init(_params())
+  with pytest.raises(ValueError, match=r"no leaf to fragment\(s\) \[1\]"):
+    diloco(optax.sgd(0.1), None, sync_every=8, fragments=lambda p: jax.tree.map(
+        lambda _: 2 * 0, p) | {"params": {"Block_0": 2, "Block_1": 0, "Embed_0": 0}}
+           ).init(_params())
+
+
+def test_state_from_another_configuration_or_worker_count():
+  params = _params()
+  two = diloco(optax.sgd(0.1), None, sync_every=4, fragments=2)
+  one = diloco(optax.sgd(0.1), None, sync_every=4)
+  with pytest.raises(ValueError, match="another configuration"):
+    one.update(params, two.init(params), params)
+  state = one.init(params)
+  assert isinstance(state, DiLoCoState)
+  grown = state._replace(average_states=state.average_states, inner_state=(
+      optax.EmptyState(),), outer_states=state.outer_states)
+  with pytest.raises(ValueError, match="another configuration"):
+    one.update(params, grown, params)
+  average = qsgd_jax.qsgd(AXIS, error_feedback=True, min_compressed_size=8)
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=4, average=average)
+  state = jax.vmap(tx.init, axis_name=AXIS)(_stack(params, 2))
+  doubled = state._replace(inner_state=jax.tree.map(
+      lambda x: jnp.concatenate([x, x], axis=1), state.inner_state))
+  with pytest.raises(ValueError, match=r"state leaf .*inner_state.* number of workers"):
+    jax.vmap(tx.update, axis_name=AXIS)(_stack(params, 2), doubled, _stack(params, 2))
+
+
+def test_replicated_params_under_shard_map_raise():
+  mesh = jax.make_mesh((WORKERS,), (AXIS,))
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=4)
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), AXIS)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(_params())
+
+  def step(params, state):
+    updates, state = tx.update(params, state, params)
+    return optax.apply_updates(params, updates), state
+
+  run = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs))
+  with pytest.raises(ValueError, match=r"replicated over axis 'workers'.*in_specs=P\('workers'\)"):
+    jax.jit(run)(_params(), state)
+
+
+def test_average_over_another_axis_raises():
+  mesh = jax.make_mesh((4, 2), (AXIS, "other"))
+  average = qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "other", min_compressed_size=1)
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=1, average=average)
+  both = (AXIS, "other")
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
+  own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+
+  def step(params, state):
+    params = own(params)
+    updates, state = tx.update(params, state, params)
+    return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), state
+
+  init = jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(both), out_specs=specs)
+  run = jax.shard_map(step, mesh=mesh, in_specs=(P(both), specs), out_specs=(P(both), specs))
+  params = jax.device_put(_stack(_params()), NamedSharding(mesh, P(both)))
+  with pytest.raises(ValueError, match="average returned an outer gradient that still differs"):
+    jax.jit(run)(params, jax.jit(init)(params))
+
+
+def test_two_level_mesh_matches_reference():
+  """Two workers of four devices: the inner chain averages over "inner", DiLoCo over "outer"."""
+  mesh = jax.make_mesh((2, 4), ("outer", "inner"))
+  inner = optax.chain(
+      qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "inner", min_compressed_size=1),
+      optax.sgd(0.1))
+  tx = diloco(inner, "outer", sync_every=2, outer_optimizer=optax.sgd(0.7, momentum=0.9))
+  both = ("outer", "inner")
+  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
+  own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+
+  def step(params, state, target):
+    params = own(params)
+    grads = jax.grad(lambda p: sum(jnp.sum((x - c) ** 2) / 2 for x, c in zip(
+        jax.tree.leaves(p), jax.tree.leaves(own(target)), strict=True)))(
+            qsgd_jax.as_varying(params, "inner"))
+    updates, state = tx.update(grads, state, params)
+    return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), state
+
+  init = jax.jit(jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P("outer"),
+                               out_specs=specs))
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("outer"), specs, P(both)),
+                              out_specs=(P("outer"), specs)))
+  steps, treedef = 5, jax.tree.structure(_params())
+  targets = _targets(steps)
+  params = jax.device_put(_stack(_params(), 2), NamedSharding(mesh, P("outer")))
+  state = init(params)
+  for t in range(steps):
+    target = jax.device_put(jax.tree.unflatten(treedef, targets[t]), NamedSharding(mesh, P(both)))
+    params, state = jax.block_until_ready(run(params, state, target))
+  # Worker m's gradient is the mean over its four devices' (devices 4m..4m+3).
+  worker_targets = [[c.reshape(2, 4, *c.shape[1:]).mean(axis=1) for c in step_targets]
+                    for step_targets in targets]
+  local, global_ = reference.streaming_diloco(
+      jax.tree.leaves(_params()), _reference_grad(worker_targets), workers=2, steps=steps,
+      sync_every=2, fragment_of=(0, 0, 0, 0), inner=reference.SGD(0.1),
+      outer=reference.SGD(0.7, momentum=0.9))
+  for leaf, want in zip(jax.tree.leaves(state.global_params), global_[-1], strict=True):
+    np.testing.assert_allclose(np.asarray(leaf), want, rtol=2e-5, atol=2e-5)
+  for leaf, want in zip(jax.tree.leaves(params), zip(*local[-1], strict=True), strict=True):
+    np.testing.assert_allclose(np.asarray(leaf), np.stack(want), rtol=2e-5, atol=2e-5)
+
+
+def test_partition_specs_and_resize():
+  average = qsgd_jax.qsgd(AXIS, error_feedback=True, min_compressed_size=8)
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=4, fragments=2, delay=1, average=average)
+  shapes = jax.eval_shape(tx.init, _params())
+  specs = qsgd_jax.state_partition_specs(shapes, AXIS)
+  assert specs.count == P() and set(jax.tree.leaves(specs.global_params)) == {P()}
+  assert set(jax.tree.leaves(specs.outer_states)) == {P()}
+  assert set(jax.tree.leaves(specs.inner_state)) == {P(AXIS)}
+  assert set(jax.tree.leaves(specs.outer_gradients)) == {P(AXIS)}
+  assert set(jax.tree.leaves(specs.averaged_gradients)) == {P()}
+  assert specs.average_states[0].local_error == (P(AXIS),) and specs.average_states[0].key == P()
+
+  def init_on(n):
+    return jax.vmap(tx.init, axis_name=AXIS)(_stack(_params(), n))
+
+  saved = init_on(8)
+  saved = saved._replace(inner_state=jax.tree.map(
+      lambda x: x + jnp.arange(8).reshape(8, *[1] * (x.ndim - 1)).astype(x.dtype),
+      saved.inner_state))
+  resized = qsgd_jax.resize_state(saved, jax.eval_shape(lambda: init_on(4)), from_devices=8,
+                                  to_devices=4, stacked=True)
+  mu = jax.tree.leaves(resized.inner_state)[1]
+  np.testing.assert_array_equal(mu, np.zeros_like(mu))  # Worker 0's (it added 0).
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x[:4], saved.global_params),
+                              resized.global_params)
