@@ -88,7 +88,8 @@ def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule, loss_
   state = state.replace(step=state.step + 1, params=jax.tree.map(lambda x: x[None], params),
                         opt_state=opt_state)
   metrics = {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
-  return state, jax.lax.pmean(metrics | metrics_of(opt_state), (WORKERS, axis))
+  metrics = qsgd_jax.as_varying(metrics | metrics_of(opt_state), (WORKERS, axis))
+  return state, jax.lax.pmean(metrics, (WORKERS, axis))
 
 
 def eval_step(state: TrainState, batch, axis: str):
@@ -124,8 +125,10 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
     return state.replace(step=jnp.zeros((), jnp.int32),
                          params=jax.tree.map(lambda x: x[None], state.params))
 
-  stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((workers, *x.shape), x.dtype),
-                         param_shapes)
+  per_worker = NamedSharding(device_mesh, P(WORKERS))
+  stacked = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((workers, *x.shape), x.dtype, sharding=per_worker),
+      param_shapes)
   shapes = jax.eval_shape(
       shard(create, in_specs=(P(WORKERS),), out_specs=P(), check_vma=False), stacked)
   # Inside a worker the inner chain's state is the same on every device (its averages keep
@@ -133,7 +136,6 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
   # the state lies along the workers' axis only.
   specs = shapes.replace(step=P(), params=jax.tree.map(lambda _: P(WORKERS), shapes.params),
                          opt_state=qsgd_jax.state_partition_specs(shapes.opt_state, WORKERS))
-  per_worker = NamedSharding(device_mesh, P(WORKERS))
   split = NamedSharding(device_mesh, P(axes))
   sharded_create = jax.jit(shard(create, in_specs=(P(WORKERS),), out_specs=specs))
 

@@ -283,7 +283,7 @@ def diloco(
     else:
       size = math.prod(parsed.sizes(_OWNER))
       axes.check_not_in_apply_if_finite(
-          _OWNER, "Wrap the inner optimizer instead: diloco skips a device's non-finite "
+          _OWNER, axis_name, "Wrap the inner optimizer instead: diloco skips a device's non-finite "
           "inner step by itself, and a non-finite outer gradient on every device together.")
       diloco_checks.check_laid_out(params, parsed)
 
