@@ -166,7 +166,16 @@ def zero_one_adam(
     local_step_clipper: the largest local interval (DeepSpeed's default 16).
     min_compressed_size, compression_mask, axis_size: as in
       :func:`scale_by_onebit_adam`.
-    auto_freeze_window, auto_freeze_tolerance: as in :func:`scale_by_onebit_adam`.
+    auto_freeze_window, auto_freeze_tolerance: as in
+      :func:`scale_by_onebit_adam`, but the window counts variance updates,
+      which come ever more rarely (the 8 of the default window span 8 steps
+      at first and 64 once the interval has doubled three times), where
+      1-bit Adam's 20 count every step.
+
+  ``var_freeze_step`` is DeepSpeed's ``ZeroOneAdam`` setting, one more update
+  than 1-bit Adam's ``freeze_step`` (DeepSpeed's ``OnebitAdam``) for the same
+  number: each keeps the meaning its DeepSpeed optimizer gives it, so that a
+  DeepSpeed configuration carries over.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
