@@ -40,6 +40,7 @@ from qsgd_jax._src.fsdp_onebit import (
     scale_by_fsdp_onebit_adam,
 )
 from qsgd_jax._src.gather import quantized_all_gather
+from qsgd_jax._src.low_rank import attention_matrix_view
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.nearest_abs_max import NearestAbsMax
 from qsgd_jax._src.onebit import OneBit
@@ -88,6 +89,7 @@ __all__ = (
     "ZeroOneAdamState",
     "accumulate_gradients",
     "as_varying",
+    "attention_matrix_view",
     "averaged_params",
     "collectives_in_hlo",
     "compressed_allreduce",
