@@ -107,9 +107,20 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
     case "onebit":
       return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
     case "powersgd":
+      views = {"layer": models.powersgd_matrix_view, "last_axis": _last_axis_view}
+      if config.powersgd_matrix_view not in views:
+        raise ValueError(_not_one_of(config, "powersgd_matrix_view", tuple(views)))
       return qsgd_jax.powersgd(AXIS, rank=config.powersgd_rank,
-                               start_iter=config.powersgd_start_iter, seed=config.seed)
+                               start_iter=config.powersgd_start_iter, seed=config.seed,
+                               matrix_view=views[config.powersgd_matrix_view],
+                               total_steps=config.num_train_steps)
   raise ValueError(_not_one_of(config, "average", AVERAGES))
+
+
+def _last_axis_view(path, shape) -> tuple[int, int]:
+  """PowerSGD's view before ``matrix_view``: a kernel's last axis alone is its output."""
+  del path
+  return math.prod(shape[:-1]), shape[-1]
 
 
 def averaged_adamw(config: ml_collections.ConfigDict,
