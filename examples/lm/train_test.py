@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import qsgd_jax
-from examples.lm import grammar, input_pipeline, train
+from examples.lm import grammar, input_pipeline, models, train
 from examples.lm.configs import smoke
 
 # The runs of the resumption test: error feedback keeps per-device residuals in the state;
@@ -107,6 +107,18 @@ def test_weight_decay_applies_to_dense_kernels_only():
                      "['block_0']['attention']['out']['kernel']",
                      "['block_0']['mlp_in']['kernel']", "['block_0']['mlp_out']['kernel']",
                      "['head']['kernel']"}
+
+
+def test_powersgd_sees_each_kernel_as_its_layers_matrix():
+  config = smoke.get_config()
+  params = train.initialized(jax.random.key(0), train.create_model(config))
+  width = config.width
+  views = {jax.tree_util.keystr(path): models.powersgd_matrix_view(
+      tuple(key.key for key in path), leaf.shape)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params) if leaf.ndim >= 2}
+  assert views["['block_0']['attention']['qkv']['kernel']"] == (width, 3 * width)
+  assert views["['block_0']['attention']['out']['kernel']"] == (width, width)
+  assert views["['block_0']['mlp_in']['kernel']"] == (width, 4 * width)
 
 
 def _device_copies(tree) -> list[list[np.ndarray]]:
