@@ -570,6 +570,19 @@ def test_a_view_that_is_not_a_matrix_of_the_leaf_is_named(view, match):
     tx.init({"w": jnp.zeros((128, 3, 4, 32))})
 
 
+def test_a_state_of_the_last_axis_view_resumes_with_that_view_and_says_so_without():
+  params = _linen_attention_params()
+
+  def last_axis(path, shape):
+    return math.prod(shape[:-1]), shape[-1]
+
+  old = qsgd_jax.powersgd(None, rank=2, start_iter=2, matrix_view=last_axis)
+  state = old.init(params)  # As saved before matrix_view: q/k/v kernels (256, 16).
+  with pytest.raises(ValueError, match=r"another matrix_view.*math.prod\(shape\[:-1\]\)"):
+    qsgd_jax.powersgd(None, rank=2, start_iter=2).update(params, state)
+  old.update(params, state)
+
+
 def test_a_start_iter_past_the_declared_run_is_refused():
   with pytest.raises(ValueError, match=r"start_iter=1000 is not less than total_steps=300"):
     qsgd_jax.powersgd(AXIS, total_steps=300)

@@ -400,4 +400,7 @@ def _check_state(plan: low_rank.LowRankPlan, state: PowerSGDState,
       f"other parameters: its memories hold {held}, these updates need {expected} "
       f"((count, m, rank) of Q{', (count, n, m) of the error' if use_error_feedback else ''}"
       f" a group of one matrix shape). The leaves of group {differs} here: {named}. A leaf's "
-      "shape (or dtype) changed since init: call init on the new parameters.")
+      "shape (or dtype) changed since init: call init on the new parameters. Or the state "
+      "was made with another matrix_view: a state saved before matrix_view existed saw every "
+      "leaf as (prod(shape[:-1]), shape[-1]); pass matrix_view=lambda path, shape: "
+      "(math.prod(shape[:-1]), shape[-1]) to resume it.")
