@@ -537,7 +537,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     sends for the gradients each step, as the optimizer's state reports it;
     ``None`` if it does not), ``fp32_allreduce_bytes_per_step`` (a float32
     all-reduce of the gradients), ``hlo_wire_bytes_per_step`` (every
-    collective of the compiled step), tokens a second and timings.
+    collective of the compiled step, every branch of a switch included),
+    ``hlo_wire_bytes_by_branch`` (``unconditional``, what every step sends,
+    and ``conditionals``, each switch's branches' bytes:
+    :func:`qsgd_jax.wire_bytes_by_branch`), tokens a second and timings.
   """
   model, _, _, mapped = programs(config)
   workdir = pathlib.Path(workdir)
@@ -565,6 +568,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
     train_step = mapped.train_step if multiprocess_pmap else compiled_step
     hlo_bytes = wire_bytes_from_hlo(compiled_step)
+    by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
     compile_seconds = time.perf_counter() - start
     # XLA's CPU collectives give up after a while: one step at a time there.
     block_every_step = jax.default_backend() == "cpu"
@@ -654,6 +658,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
+      "hlo_wire_bytes_by_branch": {"unconditional": by_branch.unconditional,
+                                   "conditionals": [list(c) for c in by_branch.conditionals]},
       "tokens_per_second": ((num_steps - first_step) * tokens_per_step / train_seconds
                             if train_seconds else None),
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,

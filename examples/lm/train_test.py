@@ -236,6 +236,10 @@ def test_a_run_writes_its_metrics_and_summary(runs):
     assert summary["wire_bytes_per_step"] < summary["fp32_allreduce_bytes_per_step"]
     # The HLO also counts the metrics' means.
     assert summary["hlo_wire_bytes_per_step"] >= summary["wire_bytes_per_step"]
+    # A step sends what runs on every step plus one branch of each switch.
+    by_branch = summary["hlo_wire_bytes_by_branch"]
+    assert by_branch["unconditional"] + sum(map(max, by_branch["conditionals"])) >= (
+        summary["wire_bytes_per_step"])
     keys += ["wire_bytes", "compression_ratio"]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   train_records = [r for r in records if "loss" in r]
