@@ -43,6 +43,7 @@ from qsgd_jax._src.fsdp_onebit import (
     scale_by_fsdp_onebit_adam,
 )
 from qsgd_jax._src.gather import quantized_all_gather
+from qsgd_jax._src.low_rank import attention_matrix_view
 from qsgd_jax._src.minmax import MinMax
 from qsgd_jax._src.nearest_abs_max import NearestAbsMax
 from qsgd_jax._src.onebit import OneBit
@@ -51,14 +52,25 @@ from qsgd_jax._src.powersgd import PowerSGDState, powersgd
 from qsgd_jax._src.qsgd import QSGD, EliasSize
 from qsgd_jax._src.resize import resize_state
 from qsgd_jax._src.sharding import state_partition_specs
-from qsgd_jax._src.stats import CompressionStats, compression_stats
+from qsgd_jax._src.stats import (
+    CompressionStats,
+    RunStats,
+    accumulate_stats,
+    compression_stats,
+)
 from qsgd_jax._src.transforms import (
     CompressedAllReduceState,
     compressed_allreduce,
     onebit_sgd,
     qsgd,
 )
-from qsgd_jax._src.wire import Collective, collectives_in_hlo, wire_bytes
+from qsgd_jax._src.wire import (
+    BranchWireBytes,
+    Collective,
+    collectives_in_hlo,
+    wire_bytes,
+    wire_bytes_by_branch,
+)
 from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
 from qsgd_jax._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
@@ -67,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = (
     "LOST_PROCESS_EXIT_CODE",
     "AccumulationState",
+    "BranchWireBytes",
     "Cast",
     "Collective",
     "CompressedAllReduceState",
@@ -87,11 +100,14 @@ __all__ = (
     "PowerSGDState",
     "ProcessWatch",
     "QSGD",
+    "RunStats",
     "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
     "ZeroOneAdamState",
     "accumulate_gradients",
+    "accumulate_stats",
     "as_varying",
+    "attention_matrix_view",
     "averaged_params",
     "collectives_in_hlo",
     "compressed_allreduce",
@@ -122,5 +138,6 @@ __all__ = (
     "scale_by_onebit_adam",
     "state_partition_specs",
     "wire_bytes",
+    "wire_bytes_by_branch",
     "zero_one_adam",
 )

@@ -1,7 +1,8 @@
 """What the documentation promises that needs no build: every public name in the API reference
-with an example that runs, and the README's headline table what the results files say.
+with an example that runs, the README's headline table what the results files say, and the guide
+sections that new users copy whole running as written.
 
-``bash scripts/docs.sh`` also executes the guides and checks every cross-reference (minutes: more
+``bash scripts/docs.sh`` also executes every guide and checks every cross-reference (minutes: more
 than the test suite's budget).
 """
 
@@ -17,6 +18,7 @@ import pytest
 import qsgd_jax
 
 _ROOT = pathlib.Path(__file__).parent.parent
+_CODE_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 _DIRECTIVE = re.compile(
     r"^\.\. (?:autofunction|autoclass|automodule|py:data)::\s+(?:qsgd_jax\.)?(\S+)", re.MULTILINE)
 
@@ -74,3 +76,32 @@ def test_docstring_example_runs(test):
   output = []
   result = runner.run(test, out=output.append)
   assert result.failed == 0, "".join(output)
+
+
+def _section_cells(guide: str, heading: str) -> list[tuple[str, str]]:
+  """``(name, source)`` of the code cells of ``docs/guides/<guide>``'s ``## <heading>`` section."""
+  text = (_ROOT / "docs" / "guides" / guide).read_text()
+  start = text.index(f"\n## {heading}\n")
+  end = text.find("\n## ", start + 1)
+  section = text[start:] if end < 0 else text[start:end]
+  return [(f"{guide}, {heading}, cell {i}", source)
+          for i, source in enumerate(_CODE_CELL.findall(section))]
+
+
+def _run_cells(cells: list[tuple[str, str]]) -> dict:
+  """Runs the cells in order in one namespace, as the notebook kernel does."""
+  namespace = {"__name__": "__guide__"}
+  for name, source in cells:
+    exec(compile(source, name, "exec"), namespace)  # noqa: S102 - the guide's own code.
+  return namespace
+
+
+# Sections that import what they use, so that they run alone.
+@pytest.mark.parametrize("guide, heading", [
+    ("training_loops.md", "Dropout: a key a step and a device"),
+])
+def test_guide_section_runs_as_written(guide, heading):
+  cells = _section_cells(guide, heading)
+  assert cells, f"no code cell under ## {heading} in {guide}"
+  namespace = _run_cells(cells)
+  assert "loss" in namespace

@@ -487,6 +487,112 @@ def test_the_view_is_the_transpose_of_pytorchs_for_dense_and_conv_kernels():
       assert ours == reference.should_compress(rows_, cols_, min(rows_, cols_, rank), 2.0)
 
 
+def _linen_attention_params():
+  import flax.linen as nn
+  attention = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+  return attention.init(jax.random.key(0), jnp.ones((1, 3, 64)))["params"]
+
+
+def _group_leaves(tx, params):
+  """``{matrix (n, m): sorted paths}`` of the leaves ``tx`` compresses."""
+  plan = low_rank.make_plan(params, 2, 2.0)
+  state = tx.init(params)
+  assert [q.shape for q in state.q_memory] == [g.q_shape for g in plan.groups]
+  return {(g.rows, g.columns): sorted(plan.paths[i] for i in g.leaves) for g in plan.groups}
+
+
+def test_flax_attention_kernels_are_their_layers_input_to_output_maps():
+  params = _linen_attention_params()
+  assert params["query"]["kernel"].shape == (64, 4, 16)  # (in, heads, head_dim).
+  assert params["out"]["kernel"].shape == (4, 16, 64)  # (heads, head_dim, out).
+  tx = qsgd_jax.powersgd(None, rank=2, start_iter=2)
+  # Query, key, value: (in, heads * head_dim), not (in * heads, head_dim) = (256, 16).
+  # Out: (heads * head_dim, out). All four 64 x 64, batched into one matmul.
+  assert _group_leaves(tx, params) == {(64, 64): [
+      f"['{name}']['kernel']" for name in ("key", "out", "query", "value")]}
+  # The step's output of each kernel is of rank 2 as its layer's 64 x 64 map.
+  tx = qsgd_jax.powersgd(None, rank=2, start_iter=0, use_error_feedback=False,
+                         warm_start=False)
+  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
+  out, _ = jax.jit(tx.update)(grads, tx.init(params))
+  for name in ("query", "key", "value"):
+    assert np.linalg.matrix_rank(np.asarray(out[name]["kernel"]).reshape(64, 64)) == 2
+  assert np.linalg.matrix_rank(np.asarray(out["out"]["kernel"]).reshape(64, 64)) == 2
+
+
+def test_flax_nnx_attention_kernels_get_the_same_view():
+  from flax import nnx
+  attention = nnx.MultiHeadAttention(num_heads=4, in_features=64, qkv_features=64,
+                                     decode=False, rngs=nnx.Rngs(0))
+  params = nnx.state(attention, nnx.Param)
+  groups = _group_leaves(qsgd_jax.powersgd(None, rank=2, start_iter=2), params)
+  assert list(groups) == [(64, 64)] and len(groups[(64, 64)]) == 4
+
+
+def test_other_leaves_keep_the_last_axis_as_columns():
+  view = qsgd_jax.attention_matrix_view
+  assert view(("params", "Dense_0", "kernel"), (64, 32)) == (64, 32)
+  assert view(("params", "Conv_0", "kernel"), (3, 3, 8, 16)) == (72, 16)
+  assert view(("params", "out", "kernel"), (4, 16, 64)) == (64, 64)
+  # A 3-d kernel of another name: the names do not say, the last axis is the output.
+  assert view(("params", "qkv", "kernel"), (64, 4, 16)) == (256, 16)
+  # A 4-d "query" leaf is no attention projection of Flax's.
+  assert view(("params", "query", "kernel"), (2, 64, 4, 16)) == (512, 16)
+  # A leaf named "query" that is no kernel.
+  assert view(("params", "query", "embedding"), (64, 4, 16)) == (256, 16)
+
+
+def test_a_custom_view_says_which_axes_are_inputs():
+  # A fused projection (in, 3, heads, head_dim), as examples/lm's "qkv" kernel.
+  params = {"qkv": {"kernel": jnp.zeros((128, 3, 4, 32))}, "mlp": {"kernel": jnp.zeros((128, 512))}}
+
+  def view(path, shape):
+    if path[-2:] == ("qkv", "kernel"):
+      return shape[0], math.prod(shape[1:])
+    return qsgd_jax.attention_matrix_view(path, shape)
+
+  tx = qsgd_jax.powersgd(None, rank=4, start_iter=2, matrix_view=view)
+  state = tx.init(params)
+  assert sorted(e.shape for e in state.error) == [(1, 128, 384), (1, 128, 512)]
+  updates, _ = jax.jit(tx.update)(params, state)
+  chex.assert_trees_all_equal_shapes(updates, params)
+
+
+@pytest.mark.parametrize("view, match", [
+    (lambda path, shape: (16, 4096), r"gave \(16, 4096\) for the leaf \['w'\] of shape "
+     r"\(128, 3, 4, 32\).*one of \[128, 384, 1536\]"),
+    (lambda path, shape: (128, 1), "gave"),
+    (lambda path, shape: [128, 384], "gave"),
+])
+def test_a_view_that_is_not_a_matrix_of_the_leaf_is_named(view, match):
+  tx = qsgd_jax.powersgd(None, start_iter=2, matrix_view=view)
+  with pytest.raises(ValueError, match=match):
+    tx.init({"w": jnp.zeros((128, 3, 4, 32))})
+
+
+def test_a_state_of_the_last_axis_view_resumes_with_that_view_and_says_so_without():
+  params = _linen_attention_params()
+
+  def last_axis(path, shape):
+    return math.prod(shape[:-1]), shape[-1]
+
+  old = qsgd_jax.powersgd(None, rank=2, start_iter=2, matrix_view=last_axis)
+  state = old.init(params)  # As saved before matrix_view: q/k/v kernels (256, 16).
+  with pytest.raises(ValueError, match=r"another matrix_view.*math.prod\(shape\[:-1\]\)"):
+    qsgd_jax.powersgd(None, rank=2, start_iter=2).update(params, state)
+  old.update(params, state)
+
+
+def test_a_start_iter_past_the_declared_run_is_refused():
+  with pytest.raises(ValueError, match=r"start_iter=1000 is not less than total_steps=300"):
+    qsgd_jax.powersgd(AXIS, total_steps=300)
+  qsgd_jax.powersgd(AXIS, start_iter=30, total_steps=300)
+  with pytest.raises(ValueError, match="total_steps must be a positive int"):
+    qsgd_jax.powersgd(AXIS, total_steps=0)
+  with pytest.raises(ValueError, match="matrix_view must be a function"):
+    qsgd_jax.powersgd(AXIS, matrix_view=(64, 64))
+
+
 # Wrong use gets a clear error.
 
 

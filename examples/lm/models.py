@@ -23,6 +23,7 @@ References:
   Language Models are Unsupervised Multitask Learners, 2019.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,19 @@ import qsgd_jax
 
 VOCAB_SIZE = 256  # Bytes.
 INIT_STDDEV = 0.02
+
+
+def powersgd_matrix_view(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+  """The matrix PowerSGD sees of each kernel here: its layer's input-to-output map.
+
+  The fused ``qkv`` kernel ``(width, 3, heads, head_width)`` is ``(width, 3 *
+  width)``; every other leaf is as :func:`qsgd_jax.attention_matrix_view`
+  sees it (the last axis the output: ``Dense`` ``(in, out)``, the attention's
+  ``out`` kernel ``(heads, head_width, width)`` as ``(width, width)``).
+  """
+  if len(path) >= 2 and path[-2:] == ("qkv", "kernel"):
+    return shape[0], math.prod(shape[1:])
+  return qsgd_jax.attention_matrix_view(path, shape)
 
 
 class CausalSelfAttention(nn.Module):

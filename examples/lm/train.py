@@ -108,9 +108,20 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
     case "onebit":
       return qsgd_jax.onebit_sgd(AXIS, bucket_size=config.bucket_size, **options)
     case "powersgd":
+      views = {"layer": models.powersgd_matrix_view, "last_axis": _last_axis_view}
+      if config.powersgd_matrix_view not in views:
+        raise ValueError(_not_one_of(config, "powersgd_matrix_view", tuple(views)))
       return qsgd_jax.powersgd(AXIS, rank=config.powersgd_rank,
-                               start_iter=config.powersgd_start_iter, seed=config.seed)
+                               start_iter=config.powersgd_start_iter, seed=config.seed,
+                               matrix_view=views[config.powersgd_matrix_view],
+                               total_steps=config.num_train_steps)
   raise ValueError(_not_one_of(config, "average", AVERAGES))
+
+
+def _last_axis_view(path, shape) -> tuple[int, int]:
+  """PowerSGD's view before ``matrix_view``: a kernel's last axis alone is its output."""
+  del path
+  return math.prod(shape[:-1]), shape[-1]
 
 
 def averaged_adamw(config: ml_collections.ConfigDict,
@@ -553,7 +564,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     sends for the gradients each step, as the optimizer's state reports it;
     ``None`` if it does not), ``fp32_allreduce_bytes_per_step`` (a float32
     all-reduce of the gradients), ``hlo_wire_bytes_per_step`` (every
-    collective of the compiled step), tokens a second and timings.
+    collective of the compiled step, every branch of a switch included),
+    ``hlo_wire_bytes_by_branch`` (``unconditional``, what every step sends,
+    and ``conditionals``, each switch's branches' bytes:
+    :func:`qsgd_jax.wire_bytes_by_branch`), tokens a second and timings.
   """
   model, _, _, mapped = programs(config)
   workdir = pathlib.Path(workdir)
@@ -581,6 +595,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
     train_step = mapped.train_step if multiprocess_pmap else compiled_step
     hlo_bytes = wire_bytes_from_hlo(compiled_step)
+    by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
     compile_seconds = time.perf_counter() - start
     # XLA's CPU collectives give up after a while: one step at a time there.
     block_every_step = jax.default_backend() == "cpu"
@@ -672,6 +687,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
+      "hlo_wire_bytes_by_branch": {"unconditional": by_branch.unconditional,
+                                   "conditionals": [list(c) for c in by_branch.conditionals]},
       "tokens_per_second": ((num_steps - first_step) * tokens_per_step / train_seconds
                             if train_seconds else None),
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,

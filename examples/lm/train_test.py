@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import qsgd_jax
-from examples.lm import grammar, input_pipeline, train
+from examples.lm import grammar, input_pipeline, models, train
 from examples.lm.configs import smoke
 
 # The runs of the resumption test: error feedback keeps per-device residuals in the state;
@@ -107,6 +107,18 @@ def test_weight_decay_applies_to_dense_kernels_only():
                      "['block_0']['attention']['out']['kernel']",
                      "['block_0']['mlp_in']['kernel']", "['block_0']['mlp_out']['kernel']",
                      "['head']['kernel']"}
+
+
+def test_powersgd_sees_each_kernel_as_its_layers_matrix():
+  config = smoke.get_config()
+  params = train.initialized(jax.random.key(0), train.create_model(config))
+  width = config.width
+  views = {jax.tree_util.keystr(path): models.powersgd_matrix_view(
+      tuple(key.key for key in path), leaf.shape)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params) if leaf.ndim >= 2}
+  assert views["['block_0']['attention']['qkv']['kernel']"] == (width, 3 * width)
+  assert views["['block_0']['attention']['out']['kernel']"] == (width, width)
+  assert views["['block_0']['mlp_in']['kernel']"] == (width, 4 * width)
 
 
 def _device_copies(tree) -> list[list[np.ndarray]]:
@@ -224,6 +236,10 @@ def test_a_run_writes_its_metrics_and_summary(runs):
     assert summary["wire_bytes_per_step"] < summary["fp32_allreduce_bytes_per_step"]
     # The HLO also counts the metrics' means.
     assert summary["hlo_wire_bytes_per_step"] >= summary["wire_bytes_per_step"]
+    # A step sends what runs on every step plus one branch of each switch.
+    by_branch = summary["hlo_wire_bytes_by_branch"]
+    assert by_branch["unconditional"] + sum(map(max, by_branch["conditionals"])) >= (
+        summary["wire_bytes_per_step"])
     keys += ["wire_bytes", "compression_ratio"]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   train_records = [r for r in records if "loss" in r]

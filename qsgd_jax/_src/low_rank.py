@@ -4,16 +4,20 @@
 compresses and how they are batched; :func:`orthogonalize` is the step's
 Gram-Schmidt or QR. :mod:`qsgd_jax._src.powersgd` runs the step.
 
-The matrix of a leaf of shape ``(d_1, ..., d_k)`` is its
-``(d_1 ... d_{k-1}, d_k)`` view: the output features, last in a Flax kernel
-(``(in, out)`` for ``Dense``, ``(kh, kw, in, out)`` for ``Conv``), are its
-columns. PyTorch views its ``(out, in, kh, kw)`` weight as
-``(out, in * kh * kw)``: the transpose of the same layer's matrix, with the
-rows of ours ordered ``(kh, kw, in)`` instead of ``(in, kh, kw)``.
+The matrix of a leaf is what a ``MatrixView`` says, by default
+:func:`attention_matrix_view`: of a leaf of shape ``(d_1, ..., d_k)``, its
+``(d_1 ... d_{k-1}, d_k)`` view, the output features, last in a Flax kernel
+(``(in, out)`` for ``Dense``, ``(kh, kw, in, out)`` for ``Conv``), being its
+columns; Flax's attention query, key and value kernels ``(in, heads,
+head_dim)`` are ``(in, heads * head_dim)``. PyTorch views its ``(out, in, kh,
+kw)`` weight as ``(out, in * kh * kw)``: the transpose of the same layer's
+matrix, with the rows of ours ordered ``(kh, kw, in)`` instead of ``(in, kh,
+kw)``.
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,8 +98,24 @@ class LowRankPlan:
     return self.exact_elements + sum(math.prod(g.matrix_shape) for g in self.groups)
 
 
+MatrixView = Callable[[tuple[str, ...], tuple[int, ...]], tuple[int, int]]
+"""``(path, shape) -> (rows, columns)``: the matrix PowerSGD sees of a leaf.
+
+``path`` is the leaf's path in the tree, one ``str`` an entry (dict keys,
+attribute names, sequence indices), e.g. ``("params", "Block_0", "attention",
+"query", "kernel")``; ``shape`` its shape, of two or more dimensions. ``rows``
+must be the product of the leading ``k`` dimensions for some ``0 < k <
+len(shape)`` and ``columns`` the product of the rest: the leaf's leading axes
+are the layer's inputs, the others its outputs.
+"""
+
+# Flax's MultiHeadDotProductAttention (linen) and MultiHeadAttention (NNX) name their
+# DenseGeneral projections so: query, key and value kernels are (in, heads, head_dim).
+_ATTENTION_INPUT_PROJECTIONS = ("query", "key", "value")
+
+
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-  """``(prod(shape[:-1]), shape[-1])``: the matrix PowerSGD sees of a leaf of ``shape``.
+  """``(prod(shape[:-1]), shape[-1])``: a leaf's matrix when its last axis alone is its output.
 
   Examples:
     >>> from qsgd_jax._src import low_rank
@@ -105,18 +125,96 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
   return (math.prod(shape[:-1]), shape[-1])
 
 
+def attention_matrix_view(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+  """PowerSGD's default ``matrix_view``: each kernel as its layer's input-to-output map.
+
+  * A 3-d ``kernel`` of a layer named ``query``, ``key`` or ``value`` (Flax's
+    :class:`~flax.linen.MultiHeadDotProductAttention` and
+    :class:`~flax.nnx.MultiHeadAttention`, whose ``DenseGeneral`` kernels are
+    ``(in, heads, head_dim)``) is ``(in, heads * head_dim)``. The layer is
+    the path's entry before its last ``"kernel"``, which is the path's last
+    entry (linen's params) or the one before it (NNX's ``"value"`` of a
+    variable).
+  * Every other leaf is ``(prod(shape[:-1]), shape[-1])``: its last axis is
+    the output. That is the layer's map for ``Dense`` ``(in, out)``,
+    ``Conv`` ``(kh, kw, in, out)``, and the attention's ``out`` kernel
+    ``(heads, head_dim, out)``; not for a ``DenseGeneral`` with several
+    output features under another name (pass your own view for it).
+
+  Shapes alone cannot tell ``(in, heads, head_dim)`` from ``(heads,
+  head_dim, out)``: the names decide, and a leaf the names do not mark keeps
+  the last-axis view.
+
+  Args:
+    path: the leaf's path, one ``str`` an entry.
+    shape: the leaf's shape, of two or more dimensions.
+
+  Returns:
+    ``(rows, columns)``.
+
+  Examples:
+    >>> import qsgd_jax
+    >>> qsgd_jax.attention_matrix_view(("params", "attention", "query", "kernel"), (64, 4, 16))
+    (64, 64)
+    >>> qsgd_jax.attention_matrix_view(("params", "attention", "out", "kernel"), (4, 16, 64))
+    (64, 64)
+    >>> qsgd_jax.attention_matrix_view(("params", "Conv_0", "kernel"), (3, 3, 64, 128))
+    (576, 128)
+  """
+  names = tuple(path[-2:])
+  layer = None
+  if len(path) >= 2 and names[-1] == "kernel":
+    layer = path[-2]
+  elif len(path) >= 3 and names[0] == "kernel":
+    layer = path[-3]
+  if len(shape) == 3 and layer in _ATTENTION_INPUT_PROJECTIONS:
+    return (shape[0], shape[1] * shape[2])
+  return matrix_shape(shape)
+
+
+def path_names(path) -> tuple[str, ...]:
+  """A ``jax.tree_util`` key path as one ``str`` an entry (dict key, attribute, index)."""
+  names = []
+  for entry in path:
+    for field in ("key", "name", "idx"):
+      if hasattr(entry, field):
+        names.append(str(getattr(entry, field)))
+        break
+    else:
+      names.append(str(entry))
+  return tuple(names)
+
+
+def checked_view(view: MatrixView, path: tuple[str, ...], keystr: str,
+                 shape: tuple[int, ...]) -> tuple[int, int]:
+  """``view(path, shape)``, or a ``ValueError`` naming the leaf if it is not a matrix view."""
+  result = view(path, shape)
+  prefixes = {math.prod(shape[:k]) for k in range(1, len(shape))}
+  ok = (isinstance(result, tuple) and len(result) == 2
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in result))
+  if ok:
+    rows, columns = int(result[0]), int(result[1])
+    if rows in prefixes and rows * columns == math.prod(shape):
+      return (rows, columns)
+  raise ValueError(
+      f"powersgd: matrix_view gave {result!r} for the leaf {keystr} of shape {shape}; a view "
+      "is a tuple (rows, columns) of ints where rows is the product of the leaf's leading "
+      f"dimensions (one of {sorted(prefixes)}) and columns that of the rest.")
+
+
 def should_compress(rows: int, columns: int, rank: int, min_compression_rate: float) -> bool:
   """PyTorch's test: ``(n + m) r * min_compression_rate < n m``, ``r = min(n, m, rank)``."""
   rank = min(rows, columns, rank)
   return (rows + columns) * rank * min_compression_rate < rows * columns
 
 
-def make_plan(tree, rank: int, min_compression_rate: float) -> LowRankPlan:
+def make_plan(tree, rank: int, min_compression_rate: float,
+              view: MatrixView = attention_matrix_view) -> LowRankPlan:
   """The :class:`LowRankPlan` of ``tree``'s leaves (arrays or shape-dtype structs).
 
   A float leaf of two or more dimensions is compressed when
-  :func:`should_compress` says so for its :func:`matrix_shape`; 0-d and 1-d
-  leaves (biases, norm scales) never are.
+  :func:`should_compress` says so for its matrix, as ``view`` sees it; 0-d
+  and 1-d leaves (biases, norm scales) never are.
   """
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in leaves)
@@ -128,11 +226,12 @@ def make_plan(tree, rank: int, min_compression_rate: float) -> LowRankPlan:
     if dtype == jax.dtypes.float0:
       continue
     shape = shapes[index]
-    if (len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating)
-        and should_compress(*matrix_shape(shape), rank, min_compression_rate)):
-      by_key.setdefault((matrix_shape(shape), np.dtype(dtype)), []).append(index)
-    else:
-      exact.append(index)
+    if len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating):
+      matrix = checked_view(view, path_names(leaves[index][0]), paths[index], shape)
+      if should_compress(*matrix, rank, min_compression_rate):
+        by_key.setdefault((matrix, np.dtype(dtype)), []).append(index)
+        continue
+    exact.append(index)
   groups = tuple(
       Group(rows=n, columns=m, rank=min(n, m, rank), dtype=dtype, leaves=tuple(indices))
       for ((n, m), dtype), indices in by_key.items())

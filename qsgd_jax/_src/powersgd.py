@@ -60,6 +60,8 @@ def powersgd(
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
     seed: jax.Array | int = 0,
+    matrix_view: low_rank.MatrixView | None = None,
+    total_steps: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Averages updates over ``axis_name`` with PowerSGD's rank-``r`` factorization.
 
@@ -80,15 +82,28 @@ def powersgd(
     (one step of subspace iteration a training step), else from a new
     standard normal draw.
 
+  **The first steps are not compressed.** ``start_iter`` defaults to
+  PyTorch's 1000: a run of fewer steps sends float32 throughout, and
+  :func:`~qsgd_jax.compression_stats` reads ``compression_ratio == 1`` on
+  every step until PowerSGD starts. Declare the run's length with
+  ``total_steps`` to have a ``start_iter`` that leaves nothing to compress
+  refused; PyTorch's documentation suggests starting with ``start_iter`` at
+  10% of the run's steps.
+
   A leaf is compressed when it is floating, has two or more dimensions, and
   ``(n + m) r * min_compression_rate < n m`` (strictly; ``r = min(n, m,
-  rank)``), its matrix being ``(prod(shape[:-1]), shape[-1])``: a Flax
-  kernel's output features are its columns. PyTorch views a weight of shape
-  ``(out, in, kh, kw)`` as ``(out, in * kh * kw)``, the transpose of the
-  same layer's matrix here (its rows in another order for a convolution).
-  The compression test, the bytes and the limit of warm-started iterations
-  (the best rank-``r`` approximation) are the same either way; one step's
-  numbers are not: this is PyTorch's hook applied to the transposed weight.
+  rank)``), its ``n x m`` matrix being what ``matrix_view`` says: by default
+  (:func:`~qsgd_jax.attention_matrix_view`) its layer's input-to-output
+  map, a Flax kernel's output features being its columns:
+  ``(prod(shape[:-1]), shape[-1])``, except Flax attention's query, key and
+  value kernels ``(in, heads, head_dim)``, which are ``(in, heads *
+  head_dim)`` (their ``out`` kernel ``(heads, head_dim, out)`` is ``(heads *
+  head_dim, out)``). PyTorch views a weight of shape ``(out, in, kh, kw)`` as
+  ``(out, in * kh * kw)``, the transpose of the same layer's matrix here
+  (its rows in another order for a convolution). The compression test, the
+  bytes and the limit of warm-started iterations (the best rank-``r``
+  approximation) are the same either way; one step's numbers are not: this
+  is PyTorch's hook applied to the transposed weight.
   Every other leaf is averaged exactly, in one all-reduce; integer leaves to
   floats, as ``jax.lax.pmean`` does, and ``float0`` leaves pass through.
 
@@ -155,14 +170,27 @@ def powersgd(
     orthogonalization_epsilon: added to each column's norm in Gram-Schmidt,
       so that an all-zero matrix gives zeros (see above for 0).
     seed: PRNG key or int seed for Q's draws, the same on every device.
+    matrix_view: ``(path, shape) -> (rows, columns)``, the matrix of each
+      floating leaf of two or more dimensions: ``path`` is the leaf's path,
+      one ``str`` an entry (dict keys, attribute names, sequence indices),
+      ``rows`` the product of the leading dimensions that are the layer's
+      inputs and ``columns`` that of the rest; ``None`` for
+      :func:`~qsgd_jax.attention_matrix_view`. For a ``DenseGeneral`` of
+      other names, say which of its axes are inputs; for the view of
+      releases before this option, ``lambda path, shape:
+      (math.prod(shape[:-1]), shape[-1])``.
+    total_steps: the steps the run will take, if known: a ``start_iter``
+      at or past it, under which PowerSGD would never compress, is refused.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` ignores
     ``params`` and extra arguments.
 
   Raises:
-    ValueError: a bad option, naming it; at trace time, an update tree whose
-      compressed leaves differ from those the state was made for.
+    ValueError: a bad option, naming it; ``start_iter >= total_steps``; at
+      trace time, an update tree whose compressed leaves differ from those
+      the state was made for, or a ``matrix_view`` that does not give a
+      matrix view of a leaf (naming it).
     NameError: at trace time, ``axis_name`` is not bound.
 
   Examples:
@@ -191,11 +219,16 @@ def powersgd(
       orthogonalization_epsilon=orthogonalization_epsilon)
   _check_options(rank, start_iter, min_compression_rate, use_error_feedback, warm_start,
                  orthogonalization_epsilon)
+  _check_run_length(start_iter, total_steps)
+  if matrix_view is not None and not callable(matrix_view):
+    raise ValueError(f"{_OWNER}: matrix_view must be a function (path, shape) -> (rows, "
+                     f"columns) or None, got {matrix_view!r}.")
+  view = low_rank.attention_matrix_view if matrix_view is None else matrix_view
   reduction_axes = axes.parse(axis_name, _OWNER)
   first_key = base.as_key(seed)
 
   def make_plan(tree) -> low_rank.LowRankPlan:
-    return low_rank.make_plan(tree, rank, min_compression_rate)
+    return low_rank.make_plan(tree, rank, min_compression_rate, view)
 
   def init_fn(params):
     plan = make_plan(params)
@@ -334,6 +367,20 @@ def _check_options(rank, start_iter, min_compression_rate, use_error_feedback, w
                      f"{orthogonalization_epsilon!r}.")
 
 
+def _check_run_length(start_iter: int, total_steps) -> None:
+  if total_steps is None:
+    return
+  if not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool) or (
+      total_steps < 1):
+    raise ValueError(f"{_OWNER}: total_steps must be a positive int or None, got "
+                     f"{total_steps!r}.")
+  if start_iter >= total_steps:
+    raise ValueError(
+        f"{_OWNER}: start_iter={start_iter} is not less than total_steps={total_steps}: every "
+        "step of this run would be a float32 average and none compressed (start_iter defaults "
+        "to PyTorch's 1000). Pass a smaller start_iter, e.g. a tenth of the run.")
+
+
 def _check_state(plan: low_rank.LowRankPlan, state: PowerSGDState,
                  use_error_feedback: bool) -> None:
   """Raises, naming a leaf, where the state was made for other compressed leaves than these."""
@@ -354,4 +401,7 @@ def _check_state(plan: low_rank.LowRankPlan, state: PowerSGDState,
       f"other parameters: its memories hold {held}, these updates need {expected} "
       f"((count, m, rank) of Q{', (count, n, m) of the error' if use_error_feedback else ''}"
       f" a group of one matrix shape). The leaves of group {differs} here: {named}. A leaf's "
-      "shape (or dtype) changed since init: call init on the new parameters.")
+      "shape (or dtype) changed since init: call init on the new parameters. Or the state "
+      "was made with another matrix_view: a state saved before matrix_view existed saw every "
+      "leaf as (prod(shape[:-1]), shape[-1]); pass matrix_view=lambda path, shape: "
+      "(math.prod(shape[:-1]), shape[-1]) to resume it.")

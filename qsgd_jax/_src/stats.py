@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qsgd_jax._src.plan import ReductionPlan
 from qsgd_jax._src.reduction import Reduction
@@ -92,6 +93,101 @@ def compression_stats(opt_state) -> CompressionStats | None:
     return None
   fields = found[0]._asdict() if isinstance(found[0], CompressionStats) else found[0]
   return CompressionStats(**{name: _only_leaf(fields[name]) for name in CompressionStats._fields})
+
+
+class RunStats(NamedTuple):
+  """What a run's steps put on the wire, summed per device: :func:`accumulate_stats`.
+
+  Each field is a float64 numpy array of the shape of the stats it sums (a
+  scalar, or one entry a device under ``jax.pmap``).
+
+  Attributes:
+    steps: steps counted.
+    wire_bits: the sum of each step's :attr:`CompressionStats.wire_bits`:
+      what the branch each step took sent (a float32 warm-up's steps in
+      float32, a compressed step's compressed).
+    float32_bits: the sum of each step's
+      :attr:`CompressionStats.float32_bits`.
+    outer_wire_bits: the sum of each step's
+      :attr:`CompressionStats.outer_wire_bits`.
+    outer_float32_bits: the sum of what a float32 all-reduce would have sent
+      across the outer axis each step.
+
+  Examples:
+    >>> import numpy as np, qsgd_jax
+    >>> step = qsgd_jax.CompressionStats(*map(np.float32, (100, 800, 8, np.nan, 100, 8)))
+    >>> run = qsgd_jax.accumulate_stats(None, step)
+    >>> run = qsgd_jax.accumulate_stats(run, step._replace(wire_bits=np.float32(800)))
+    >>> float(run.wire_bits), float(run.compression_ratio)
+    (900.0, 1.7777777777777777)
+  """
+
+  steps: np.ndarray
+  wire_bits: np.ndarray
+  float32_bits: np.ndarray
+  outer_wire_bits: np.ndarray
+  outer_float32_bits: np.ndarray
+
+  @property
+  def compression_ratio(self) -> np.ndarray:
+    """``float32_bits / wire_bits``: the run's saving, every step counted as it ran."""
+    return self.float32_bits / self.wire_bits
+
+  @property
+  def outer_compression_ratio(self) -> np.ndarray:
+    """``outer_float32_bits / outer_wire_bits``: the slow link's saving over the run."""
+    return self.outer_float32_bits / self.outer_wire_bits
+
+
+def accumulate_stats(total: RunStats | None, step) -> RunStats:
+  """``total`` plus one step's :class:`CompressionStats`: a run's bytes, step by step.
+
+  A transform's stats say what its *last* step sent; a run whose steps
+  differ (1-bit Adam's and 0/1 Adam's float32 warm-up, then compressed steps;
+  PowerSGD's ``start_iter``) sends their sum. Call this after every step, on
+  the host, with the optimizer state: each step's stats are those of the
+  branch it took. It reads them to the host (waiting for the step) and sums
+  in float64.
+
+  The compiled program's :func:`~qsgd_jax.wire_bytes` adds every branch of
+  such a switch instead; :func:`~qsgd_jax.wire_bytes_by_branch` gives each
+  branch's.
+
+  Args:
+    total: the sum so far, or ``None`` before the first step.
+    step: the step's :class:`CompressionStats`, or any optax state holding
+      them (as :func:`compression_stats` finds them).
+
+  Returns:
+    The new :class:`RunStats`.
+
+  Raises:
+    ValueError: ``step`` holds no stats.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.powersgd("batch", start_iter=2)  # Two float32 steps, then rank 1.
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 256, 64)))
+    >>> step = jax.pmap(tx.update, axis_name="batch")
+    >>> run = None
+    >>> for _ in range(4):
+    ...   _, state = step(jnp.ones((n, 256, 64)), state)
+    ...   run = qsgd_jax.accumulate_stats(run, state)
+    >>> int(run.steps[0]), n == 1 or bool(1.9 < run.compression_ratio[0] < 2)
+    (4, True)
+  """
+  stats = step if isinstance(step, CompressionStats) else compression_stats(step)
+  if stats is None:
+    raise ValueError(f"accumulate_stats: no CompressionStats in {type(step).__name__}: pass "
+                     "the optimizer state of a communicating transform, or its stats.")
+  wire, full, outer = (np.asarray(x, np.float64) for x in (
+      stats.wire_bits, stats.float32_bits, stats.outer_wire_bits))
+  outer_full = outer * np.asarray(stats.outer_compression_ratio, np.float64)
+  step_sums = RunStats(np.ones_like(wire), wire, full, outer, outer_full)
+  if total is None:
+    return step_sums
+  return RunStats(*(np.asarray(a, np.float64) + b for a, b in zip(total, step_sums, strict=True)))
 
 
 def is_stats(node) -> bool:

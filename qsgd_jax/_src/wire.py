@@ -8,6 +8,11 @@ runtime sends. Each device's share for a group of ``n`` devices and a result of
 * ``all-gather`` and ``all-to-all``: ``(n - 1) / n * R``;
 * ``reduce-scatter``: ``(n - 1) * R`` (``R`` is one device's shard);
 * ``collective-permute``: ``R`` (each device sends its buffer to one peer).
+
+A collective inside a branch of a ``conditional`` (``jax.lax.cond``,
+``jax.lax.switch``) runs only on the steps that take that branch:
+:func:`wire_bytes` sums every branch, :func:`wire_bytes_by_branch` tells them
+apart.
 """
 
 import math
@@ -28,6 +33,10 @@ _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s+\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_CALLED_LISTS = re.compile(r"\b(?:called_computations|branch_computations)=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)")
 _REPLICAS = re.compile(r"replica_count=(\d+)")
 
 
@@ -96,31 +105,41 @@ def collectives_in_hlo(hlo_text: str) -> list[Collective]:
     >>> collective.kind, collective.bytes_sent == (n - 1) * 256 * 4
     ('all-gather', True)
   """
+  devices = _devices(hlo_text)
+  found = []
+  for line in hlo_text.splitlines():
+    if (collective := _collective(line, devices)) is not None:
+      found.append(collective)
+  return found
+
+
+def _devices(hlo_text: str) -> int:
   header = hlo_text[: hlo_text.find("\n")]
-  devices = max(
+  return max(
       int(m.group(1)) if (m := pattern.search(header)) else 1
       for pattern in (_PARTITIONS, _REPLICAS)
   )
-  found = []
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.search(line)
-    if match is None:
-      continue
-    kind, result_type = match.group("op"), match.group("type")
-    arrays = _array_bytes(result_type)
-    # Asynchronous starts: an all-gather-start returns (operands, results), a
-    # collective-permute-start (operand, result, context); an all-reduce-start
-    # has the all-reduce's own shape, a tuple of every result when combined.
-    is_async_tuple = match.group("start") and result_type.startswith("(")
-    if is_async_tuple and kind == "all-gather":
-      result_bytes = sum(arrays[len(arrays) // 2 :])
-    elif is_async_tuple and kind == "collective-permute":
-      result_bytes = arrays[1]
-    else:
-      result_bytes = sum(arrays)
-    n = _group_size(line, devices)
-    found.append(Collective(kind, result_type, result_bytes, n, bytes_sent(kind, result_bytes, n)))
-  return found
+
+
+def _collective(line: str, devices: int) -> Collective | None:
+  """The :class:`Collective` of one HLO instruction line, or ``None`` if it is none."""
+  match = _INSTRUCTION.search(line)
+  if match is None:
+    return None
+  kind, result_type = match.group("op"), match.group("type")
+  arrays = _array_bytes(result_type)
+  # Asynchronous starts: an all-gather-start returns (operands, results), a
+  # collective-permute-start (operand, result, context); an all-reduce-start
+  # has the all-reduce's own shape, a tuple of every result when combined.
+  is_async_tuple = match.group("start") and result_type.startswith("(")
+  if is_async_tuple and kind == "all-gather":
+    result_bytes = sum(arrays[len(arrays) // 2 :])
+  elif is_async_tuple and kind == "collective-permute":
+    result_bytes = arrays[1]
+  else:
+    result_bytes = sum(arrays)
+  n = _group_size(line, devices)
+  return Collective(kind, result_type, result_bytes, n, bytes_sent(kind, result_bytes, n))
 
 
 def bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
@@ -158,7 +177,12 @@ def wire_bytes(hlo_text: str) -> float:
       ``jax.jit(f).lower(x).compile().as_text()``.
 
   Returns:
-    The sum of :attr:`Collective.bytes_sent` over :func:`collectives_in_hlo`.
+    The sum of :attr:`Collective.bytes_sent` over :func:`collectives_in_hlo`:
+    **every branch of a conditional included**, though a step runs one. A
+    program that switches with ``jax.lax.cond`` (1-bit Adam's and 0/1 Adam's
+    float32 warm-up against their compressed steps, PowerSGD's
+    ``start_iter``) reads as the sum of both; :func:`wire_bytes_by_branch`
+    gives what each branch sends.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -169,3 +193,132 @@ def wire_bytes(hlo_text: str) -> float:
     True
   """
   return sum(c.bytes_sent for c in collectives_in_hlo(hlo_text))
+
+
+class BranchWireBytes(NamedTuple):
+  """What a compiled program sends a step, by the branches of its conditionals.
+
+  Attributes:
+    unconditional: bytes one device sends in the collectives outside every
+      conditional: on every step.
+    conditionals: one tuple a conditional that sends in some branch
+      (outside any other conditional, in program order; those that send
+      nothing are left out), the bytes of each of its branches, in
+      branch-index order: ``jax.lax.switch``'s branches; ``(false_fun, true_fun)`` for
+      ``jax.lax.cond``. A conditional nested in a branch counts in that
+      branch with all of its own branches summed.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> def whole(x):
+    ...   return jax.lax.psum(x, "i")
+    >>> def half(x):
+    ...   return jnp.tile(jax.lax.psum(x[:512], "i"), 2)
+    >>> def step(x, count):  # The whole vector for 10 steps, then half of it.
+    ...   return jax.lax.cond(count < 10, whole, half, x)
+    >>> text = jax.pmap(step, "i").lower(jnp.ones((n, 1024)), jnp.zeros(n, jnp.int32)
+    ...                                   ).compile().as_text()
+    >>> by_branch = qsgd_jax.wire_bytes_by_branch(text)
+    >>> [round(sent / (2 * (n - 1) / n)) for sent in by_branch.conditionals[0]] if n > 1 else []
+    [2048, 4096]
+    >>> by_branch.sent(1) == by_branch.unconditional + by_branch.conditionals[0][1]
+    True
+  """
+
+  unconditional: float
+  conditionals: tuple[tuple[float, ...], ...]
+
+  def sent(self, *branches: int) -> float:
+    """Bytes of a step that takes branch ``branches[k]`` of conditional ``k``, for each ``k``."""
+    if len(branches) != len(self.conditionals):
+      raise ValueError(f"Give one branch a conditional: this program has "
+                       f"{len(self.conditionals)}, got {len(branches)} ({branches}).")
+    return self.unconditional + sum(
+        sent[branch] for sent, branch in zip(self.conditionals, branches, strict=True))
+
+
+def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
+  """:func:`wire_bytes`, the collectives inside each branch of a conditional apart.
+
+  Walks the program from its entry computation through the computations it
+  calls (loop bodies, calls, asynchronous wrappers); the collectives in a
+  ``conditional``'s branch computations count in that branch alone. A
+  computation called from several places counts at each.
+
+  Args:
+    hlo_text: the compiled program's text, e.g.
+      ``jax.jit(f).lower(x).compile().as_text()``.
+
+  Returns:
+    A :class:`BranchWireBytes`: the bytes sent on every step, and those of
+    each branch of each conditional.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), "i")
+    >>> n = jax.local_device_count()
+    >>> text = f.lower(jnp.ones((n, 1024))).compile().as_text()
+    >>> by_branch = qsgd_jax.wire_bytes_by_branch(text)
+    >>> by_branch.unconditional == qsgd_jax.wire_bytes(text), by_branch.conditionals
+    (True, ())
+  """
+  devices = _devices(hlo_text)
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    if current is None:
+      if (match := _COMPUTATION.match(line)) is not None:
+        current = match.group("name")
+        computations[current] = []
+        if line.startswith("ENTRY"):
+          entry = current
+    elif line.strip() == "}":
+      current = None
+    else:
+      computations[current].append(line)
+  if entry is None:
+    return BranchWireBytes(wire_bytes(hlo_text), ())
+
+  def branches_of(line: str) -> list[str] | None:
+    if " conditional(" not in line:
+      return None
+    if (match := _TRUE_FALSE.search(line)) is not None:
+      return [match.group(2), match.group(1)]  # Branch index int(pred): false, then true.
+    if (match := _CALLED_LISTS.search(line)) is not None:
+      return _names(match.group(1))
+    return None
+
+  def callees(line: str) -> list[str]:
+    names = _CALLED.findall(line)
+    for listed in _CALLED_LISTS.findall(line):
+      names += _names(listed)
+    return [name for name in names if name in computations]
+
+  def walk(name: str, found: list[tuple[float, ...]], depth: int = 0) -> float:
+    """Bytes of ``name`` outside its conditionals; each conditional's branches into ``found``."""
+    if depth > len(computations):
+      raise ValueError(f"The HLO's computations call each other in a cycle through {name}.")
+    total = 0.0
+    for line in computations.get(name, ()):
+      if (collective := _collective(line, devices)) is not None:
+        total += collective.bytes_sent
+      if (branches := branches_of(line)) is not None:
+        sent = tuple(everything(branch, depth + 1) for branch in branches)
+        if any(sent):
+          found.append(sent)
+        continue
+      total += sum(walk(callee, found, depth + 1) for callee in callees(line))
+    return total
+
+  def everything(name: str, depth: int) -> float:
+    nested: list[tuple[float, ...]] = []
+    return walk(name, nested, depth) + sum(sum(branches) for branches in nested)
+
+  conditionals: list[tuple[float, ...]] = []
+  unconditional = walk(entry, conditionals)
+  return BranchWireBytes(unconditional, tuple(conditionals))
+
+
+def _names(listed: str) -> list[str]:
+  return [name.strip().lstrip("%") for name in listed.split(",") if name.strip()]

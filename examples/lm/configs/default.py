@@ -41,6 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.min_compressed_size = 4096  # Smaller leaves (biases, LayerNorm) go in float32.
   config.powersgd_rank = 4  # powersgd: the rank of each weight matrix's factors.
   config.powersgd_start_iter = 10  # powersgd: exact float32 steps first.
+  # powersgd: each kernel as its layer's input-to-output matrix ("layer": the qkv kernel
+  # (width, 3, heads, head_width) as width x 3 width) or with its last axis alone as the
+  # columns ("last_axis": qkv as 3 width x head_width, the view before qsgd_jax's matrix_view).
+  config.powersgd_matrix_view = "layer"
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
   config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), or fsdp.
