@@ -109,7 +109,7 @@ def _load(name):
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true",
-                      help="CPU-sized: 64K floats, a 2-layer 64-wide model (for tests)")
+                      help="CPU-sized: 64K floats, a 1-layer 32-wide model (for tests)")
   parser.add_argument("--sizes", type=int, nargs="+", default=None,
                       help="float32 elements of the kernel benchmarks (default 64M 256M)")
   parser.add_argument("--repeats", type=int, default=10, help="timed calls a kernel")
@@ -262,7 +262,7 @@ def powersgd_step(shapes: dict, repeats: int) -> dict:
 
 def _model(small: bool) -> models.TransformerLM:
   if small:
-    return models.TransformerLM(num_layers=2, width=64, num_heads=2, context_length=64)
+    return models.TransformerLM(num_layers=1, width=32, num_heads=2, context_length=32)
   return models.TransformerLM(num_layers=12, width=768, num_heads=12, context_length=1024)
 
 
@@ -468,14 +468,15 @@ def run_benchmark(args) -> dict:
   # Imported here: collectives.py sets JAX_PLATFORMS and XLA_FLAGS if unset, which this
   # process, its backend started, no longer reads.
   gpt2_shapes = _load("collectives").gpt2_small_shapes(32 if args.small else 1)
-  lm_model = _model(True) if args.small else models.TransformerLM(
-      num_layers=6, width=384, num_heads=6, context_length=256)
+  # examples/lm/configs/default.py's model.
+  lm_model = models.TransformerLM(num_layers=6, width=384, num_heads=6, context_length=256)
   lm_shapes = {jax.tree_util.keystr(path): leaf.shape for path, leaf in
                jax.tree_util.tree_leaves_with_path(jax.eval_shape(
                    lm_model.init, jax.random.key(0),
                    jnp.zeros((1, lm_model.context_length), jnp.int32))["params"])}
   gpt2_name = "GPT-2 small" + (", width / 32" if args.small else "")
-  trees = {"example LM": lm_shapes, gpt2_name: gpt2_shapes}
+  trees = {gpt2_name: gpt2_shapes} if args.small else {"example LM": lm_shapes,
+                                                        gpt2_name: gpt2_shapes}
   record["exchange"] = {
       name: exchange_kernels(sum(math.prod(s) for s in shapes.values()), args.repeats,
                              copy_gb_per_s, peak) for name, shapes in trees.items()}
