@@ -62,6 +62,10 @@ SUITE = (
     ("Real processes over a rate-limited link (gloo, a network namespace shaped by tc)",
      "network.py", False, [], ["--quick"]),
 )
+# With --platform gpu or tpu, also every family on the accelerator (its kernels, steps and
+# cost model, in benchmarks/results/<platform>/accelerator.md).
+ACCELERATOR = ("Every family on the accelerator: kernels, the 1-bit exchange, PowerSGD, steps",
+               "accelerator.py", False, [], ["--small"])
 ONE_CORE_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -92,7 +96,7 @@ def main() -> None:
   failed = []
   shown_out = os.path.relpath(args.out, _HERE.parent)
   pin = bool(shutil.which("taskset"))
-  for title, script, one_core, full, quick in SUITE:
+  for title, script, one_core, full, quick in SUITE + (() if on_cpu else (ACCELERATOR,)):
     arguments = quick if args.quick else full
     command = [sys.executable, str(_HERE / script),
                *(a.format(out=args.out, **fields) for a in arguments), "--out", str(args.out)]

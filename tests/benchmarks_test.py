@@ -1,6 +1,7 @@
 """Checks of the benchmark suite's model code: the gradient trees and the cost model."""
 
 import importlib.util
+import json
 import math
 import pathlib
 
@@ -62,3 +63,27 @@ def test_slow_kernels_lose_on_nvlink():
   coordinates = cost_model.MODELS["ResNet-50"]
   assert (cost_model.allreduce_seconds(qsgd4, nvlink, 8, coordinates)
           > cost_model.allreduce_seconds(fp32, nvlink, 8, coordinates))
+
+
+def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys):
+  accelerator = _load("accelerator")
+  monkeypatch.setattr(accelerator, "COMPRESSORS",
+                      {"qsgd_4bit": accelerator.COMPRESSORS["qsgd_4bit"],
+                       "onebit": accelerator.COMPRESSORS["onebit"]})
+  accelerator.main(["--small", "--sizes", "16384", "--modes", "qsgd_4bit", "--repeats", "1",
+                    "--step-repeats", "1", "--out", str(tmp_path)])
+  record = json.loads((tmp_path / "accelerator.json").read_text())
+  assert set(record["steps"]["modes"]) == {"adamw", "qsgd_4bit"}
+  assert record["cost_model"]["steps"]["qsgd_4bit"]["projected_ms"].keys() == {
+      f"{devices}x{gbit}" for devices in (8, 64) for gbit in (10, 100, 400)}
+  assert {row["what"].split(",")[0] for row in record["targets"]} >= {
+      "qsgd_4bit encode+decode", "onebit encode+decode", "exchange pack", "exchange unpack",
+      "qsgd_4bit step over AdamW's"}
+  assert "| target | figure | goal | met |" in capsys.readouterr().out
+
+  checks = accelerator._check_programs()
+  monkeypatch.setattr(accelerator, "_check_programs", lambda: {
+      "qsgd_4bit_encode": checks["qsgd_4bit_encode"]})
+  accelerator.main(["--check", "--out", str(tmp_path)])
+  report = json.loads((tmp_path / "accelerator_check.json").read_text())
+  assert all(row["passed"] for row in report["checks"].values())

@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qsgd_jax._src import base, elias, packing, rounding
+from qsgd_jax._src import base, elias, packing, pallas_kernels, rounding
 
 _MAX_BITS = 16
 # ``scale * (1 / s)`` exceeds ``scale / s`` by less than 2 ulps of the scale, and
@@ -214,7 +214,42 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     return self._dequantize(total, scales, shape)
 
   def encode(self, key: jax.Array, x: jax.Array) -> base.Payload:
-    dtype = jnp.asarray(x).dtype
+    x = jnp.asarray(x)
+    if self._fused_buckets(x.size):
+      return pallas_kernels.dispatch(self._encode_xla, self._encode_fused, key, x)
+    return self._encode_xla(key, x)
+
+  def _fused_buckets(self, size: int) -> int:
+    """Leading buckets that :mod:`pallas_kernels` can encode and decode (0: none)."""
+    if self.norm != "max":  # A float sum in another order would give other scales.
+      return 0
+    return pallas_kernels.qsgd_fused_buckets(self.bits, self._bucket_len(size), size)
+
+  def _encode_fused(self, key: jax.Array, x: jax.Array, *, interpret: bool) -> base.Payload:
+    """:meth:`encode` with the fused kernel, bit for bit: the buckets past its blocks the
+    XLA way, their words and scales written in place."""
+    dtype = x.dtype
+    flat = base.as_float32(x, "QSGD.encode").reshape(-1)
+    size = flat.shape[0]
+    bucket_len = self._bucket_len(size)
+    fused = self._fused_buckets(size) * bucket_len
+    words, scales = pallas_kernels.qsgd_encode(
+        pallas_kernels.seed_words(key), flat, levels=self.levels, bits=self.bits,
+        bucket_len=bucket_len, interpret=interpret)
+    if fused < size:
+      rest = flat[fused:]
+      parts = base.bucket_parts(rest, bucket_len, num_bits=self.bits)
+      rest_scales = [self._bucket_scales(buckets, dtype) for buckets, _, _ in parts]
+      tail = self._pack(key, [(buckets, fused + start, count, part_scales) for
+                              (buckets, start, count), part_scales in zip(parts, rest_scales,
+                                                                         strict=True)],
+                        jnp.concatenate(rest_scales), rest.shape, dtype)
+      words = words.at[fused * self.bits // 32:].set(tail.packed)
+      scales = scales.at[fused // bucket_len:].set(tail.scales[:, 0])
+    return base.Payload(packed=words, scales=scales[:, None], shape=x.shape, dtype=dtype)
+
+  def _encode_xla(self, key: jax.Array, x: jax.Array) -> base.Payload:
+    dtype = x.dtype
     scales = self.local_scales(x)
     x = base.as_float32(x, "QSGD.encode")
     return self._pack(key, self._parts_and_scales(x, scales, self.bits), scales, x.shape, dtype)
@@ -287,8 +322,31 @@ class QSGD(base.PackedBuckets, base.SharedScaleCompressor):
     )
 
   def decode(self, payload: base.Payload) -> jax.Array:
+    if self._fused_buckets(math.prod(payload.shape)):
+      return pallas_kernels.dispatch(self._decode_xla, self._decode_fused, payload)
+    return self._decode_xla(payload)
+
+  def _decode_xla(self, payload: base.Payload) -> jax.Array:
     values = self._dequantize(self.signed_levels(payload), payload.scales, payload.shape)
     return values.astype(payload.dtype)
+
+  def _decode_fused(self, payload: base.Payload, *, interpret: bool) -> jax.Array:
+    """:meth:`decode` with the fused kernel, bit for bit (the steps as ``_dequantize``'s)."""
+    size = math.prod(payload.shape)
+    bucket_len = self._bucket_len(size)
+    scale = payload.scales[:, 0]
+    normalizer = base.power_of_two_normalizer(scale)
+    values = pallas_kernels.qsgd_decode(
+        payload.packed, self._steps(scale * normalizer), 1.0 / normalizer, size=size,
+        bits=self.bits, bucket_len=bucket_len, interpret=interpret)
+    fused = self._fused_buckets(size) * bucket_len
+    if fused < size:
+      codes = packing.unpack(payload.packed[fused * self.bits // 32:], size - fused, self.bits)
+      level = (codes & jnp.uint32(2 ** (self.bits - 1) - 1)).astype(jnp.int32)
+      signed = jnp.where((codes >> (self.bits - 1)).astype(bool), -level, level)
+      tail = self._dequantize(signed, payload.scales[fused // bucket_len:], (size - fused,))
+      values = values.at[fused:].set(tail)
+    return values.reshape(payload.shape).astype(payload.dtype)
 
 
 def _l2_norms(buckets: jax.Array, largest: float) -> jax.Array:

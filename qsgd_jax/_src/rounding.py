@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_UNIFORM_BITS = 24
-_MANTISSA = 2**23
-_MANTISSA_BITS = 0x4B000000  # float32 2**23's bits.
+UNIFORM_BITS = 24
+MANTISSA = 2**23
+MANTISSA_BITS = 0x4B000000  # float32 2**23's bits.
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def mix(x: jax.Array) -> jax.Array:
   """Two ``lowbias32`` rounds without the final xor-shift: a bijection on ``uint32``."""
   x = x ^ (x >> 16)
   x = x * jnp.uint32(0x7FEB352D)
@@ -74,13 +74,13 @@ def uniform_grid(key: jax.Array, shape: tuple[int, ...], start: int = 0) -> jax.
     ``uint32`` array of ``shape``.
   """
   shape = tuple(shape)
-  return _mix(_counter(key, shape, start)) >> (32 - _UNIFORM_BITS)
+  return mix(_counter(key, shape, start)) >> (32 - UNIFORM_BITS)
 
 
 def _round_up(key: jax.Array, y: jax.Array, start: int = 0) -> tuple[jax.Array, jax.Array]:
   """``floor(y)`` and whether ``y`` rounds up: a draw below ``2**24 * frac(y)``."""
   floor = jnp.floor(y)
-  threshold = (y - floor) * jnp.float32(2**_UNIFORM_BITS)
+  threshold = (y - floor) * jnp.float32(2**UNIFORM_BITS)
   # The draws are below 2**24: a signed conversion to float32 is exact.
   draw = jax.lax.bitcast_convert_type(uniform_grid(key, y.shape, start), jnp.int32)
   return floor, draw.astype(jnp.float32) < threshold
@@ -125,6 +125,6 @@ def round_stochastic_to_level(key: jax.Array, y: jax.Array, top: int, start: int
     int32 array of levels in ``[0, top]``, the shape of ``y``.
   """
   floor, up = _round_up(key, y, start)
-  shifted = jax.lax.bitcast_convert_type(floor + jnp.float32(_MANTISSA), jnp.int32)
-  level = shifted - jnp.int32(_MANTISSA_BITS) + up.astype(jnp.int32)
+  shifted = jax.lax.bitcast_convert_type(floor + jnp.float32(MANTISSA), jnp.int32)
+  level = shifted - jnp.int32(MANTISSA_BITS) + up.astype(jnp.int32)
   return jnp.minimum(level, jnp.int32(top))

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import packing, wire
+from qsgd_jax._src import packing, pallas_kernels, wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +186,7 @@ def exchange(vectors, worker_error: jax.Array, server_error: jax.Array, layout: 
   word_offsets = layout.word_offsets
   out_scales = _read_scales(gathered, layout)
   averages = [
-      (_unpacked_rows(gathered[:, start:stop], chunk) * out_scales[:, i, None]).reshape(-1)[:size]
+      _scaled_rows(gathered[:, start:stop], out_scales[:, i], chunk).reshape(-1)[:size]
       for i, (start, stop, chunk, size) in enumerate(zip(
           word_offsets[:-1], word_offsets[1:], layout.chunks, layout.sizes, strict=True))]
   # A NaN or inf in any worker's vector makes its scale so, then the sums its servers
@@ -227,6 +227,18 @@ def _unpacked_rows(words: jax.Array, chunk: int) -> jax.Array:
   rows, row_words = words.shape
   bits = packing.unpack(words.reshape(-1), rows * row_words * 32, 1).reshape(rows, -1)
   return _plus_minus(bits[:, :chunk].astype(bool))
+
+
+def _scaled_rows(words: jax.Array, scales: jax.Array, chunk: int) -> jax.Array:
+  """``uint32[k, ceil(chunk / 32)]`` signs times their rows' ``float32[k]`` scales,
+  ``float32[k, chunk]``; on GPU with ``QSGD_JAX_PALLAS=gpu``, one fused kernel."""
+  def xla(words, scales):
+    return _unpacked_rows(words, chunk) * scales[:, None]
+
+  def fused(words, scales, *, interpret):
+    return pallas_kernels.sign_unpack_rows(words, scales, interpret=interpret)[:, :chunk]
+
+  return pallas_kernels.dispatch(xla, fused, words, scales)
 
 
 def _read_rows(rows: jax.Array, layout: SignLayout) -> tuple[list[list[jax.Array]], jax.Array]:
