@@ -204,3 +204,27 @@ def test_zero_one_adams_local_steps_under_replicated_parameters_say_what_to_do()
   p = jax.device_put(params, NamedSharding(mesh, P()))
   with pytest.raises(ValueError, match=r"local_step_clipper=16 .* local_step_clipper=1"):
     train.step(p, train.init(p), x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=1, min_compressed_size=0),
+    lambda: qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=1, min_compressed_size=0,
+                                   local_step_clipper=1),
+], ids=["onebit_adam", "zero_one_adam"])
+def test_init_and_update_in_one_shard_map(make):
+  tx = make()
+  mesh = jax.make_mesh((N,), (AXIS,))
+  params = {"w": jnp.zeros((16, 64))}
+  x = jax.device_put(jnp.ones((N, 16)), NamedSharding(mesh, P(AXIS)))
+
+  def steps(params, x):
+    state = tx.init(params)
+    for _ in range(3):  # A float32 step, then 1-bit ones.
+      grads = jax.grad(lambda p: jnp.sum(x @ p["w"]))(qsgd_jax.as_varying(params, AXIS))
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  out = jax.jit(jax.shard_map(steps, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))(
+      params, x)
+  assert np.all(np.asarray(out["w"]) < 0)

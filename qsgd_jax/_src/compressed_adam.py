@@ -166,12 +166,24 @@ def check_tree(owner: str, updates, params, moments) -> None:
           "with (jax.grad of the loss with respect to them).")
 
 
-def initial_errors(layout: sign_exchange.SignLayout):
-  """Zero worker and server errors for ``layout``; empty tuples when nothing is compressed."""
+def initial_errors(layout: sign_exchange.SignLayout, axes: axes_lib.Axes):
+  """Zero worker and server errors for ``layout``; empty tuples when nothing is compressed.
+
+  Each device's own: typed varying over the axes where ``init`` runs inside
+  ``jax.shard_map``, as the exchange's new errors are, so that an update in
+  the same mapped function finds the same types in both branches of its
+  switch.
+  """
   if not layout.sizes:
     return (), ()
-  return (jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
-          jnp.zeros(layout.server_error_shape().shape, jnp.float32))
+  errors = (jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
+            jnp.zeros(layout.server_error_shape().shape, jnp.float32))
+  if axes.is_local:
+    return errors
+  try:
+    return axes_lib.as_varying(errors, axes.name)
+  except NameError:  # init outside the mapped function, sized by axis_size.
+    return errors
 
 
 def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayout) -> None:
@@ -246,6 +258,20 @@ class AutoFreeze:
                / jnp.mean(history))
     settled = (updates_seen >= self.window) & (drift <= self.tolerance)
     return history, settled
+
+
+  def update(self, history: jax.Array, freeze_count: jax.Array, *, variances: list[jax.Array],
+             updates_seen: jax.Array, recorded: jax.Array, count: jax.Array, b2: float,
+             bias_correction: bool) -> tuple[jax.Array, jax.Array]:
+    """The history and freeze count after an update that moved ``variances`` (the compressed
+    leaves' second moments, the ``updates_seen``-th time): recorded only where ``recorded``
+    (a finite update before the freeze), the variance frozen from ``count`` on if settled."""
+    if not variances:  # Nothing compressed: nothing to freeze.
+      return history, freeze_count
+    correction = 1 - b2 ** updates_seen if bias_correction else 1.0
+    new_history, settled = self.record(history, updates_seen, statistic(variances, correction))
+    return (jnp.where(recorded, new_history, history),
+            jnp.where(recorded & settled, count, freeze_count))
 
 
 def auto_freeze(owner: str, freeze_step: FreezeStep, window: int,

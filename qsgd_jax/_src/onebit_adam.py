@@ -190,7 +190,7 @@ def scale_by_onebit_adam(
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
     sizes = common.mapped_sizes(axes, axis_size, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    worker_error, server_error = common.initial_errors(layout)
+    worker_error, server_error = common.initial_errors(layout, axes)
     return ScaleByOneBitAdamState(
         count=jnp.zeros((), jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -259,29 +259,14 @@ def scale_by_onebit_adam(
 
     new_mu, new_nu, worker_error, server_error, finite = jax.lax.cond(
         frozen, lambda _: stored(*compressed(_)), lambda _: stored(*warm_up(_)), None)
-    out = []
-    for i, g in enumerate(grads):
-      if leaves.kinds[i] == "other":
-        out.append(common.zero_update(g))
-        continue
-      frozen_variance = leaves.kinds[i] == "compressed"
-      variance_count = jnp.minimum(count, state.freeze_count) if frozen_variance else count
-      m_hat, v_hat = new_mu[i], new_nu[i]
-      if bias_correction:
-        m_hat = optax.tree.bias_correction(m_hat, b1, count)
-        v_hat = optax.tree.bias_correction(v_hat, b2, variance_count)
-      direction = m_hat / (jnp.sqrt(v_hat) + eps)
-      out.append(jnp.where(finite, direction, jnp.nan).astype(jnp.result_type(g)))
-
+    out = _directions(grads, new_mu, new_nu, leaves, count, state.freeze_count, finite, b1=b1,
+                      b2=b2, eps=eps, bias_correction=bias_correction)
     freeze_count, history = state.freeze_count, state.variance_history
-    if auto and leaves.compressed:
-      correction = 1 - b2 ** count if bias_correction else 1.0
-      history, settled = auto.record(
-          history, count,
-          common.statistic([new_nu[i] for i in leaves.compressed], correction))
-      warming = jnp.logical_not(frozen) & finite
-      history = jnp.where(warming, history, state.variance_history)
-      freeze_count = jnp.where(warming & settled, count, freeze_count)
+    if auto:
+      history, freeze_count = auto.update(
+          history, freeze_count, variances=[new_nu[i] for i in leaves.compressed],
+          updates_seen=count, recorded=jnp.logical_not(frozen) & finite, count=count, b2=b2,
+          bias_correction=bias_correction)
 
     num_float = leaves.elements("compressed") + leaves.elements("float32")
     step_stats = _stats(frozen, leaves, layout, num_float, sizes)
@@ -393,6 +378,27 @@ def onebit_adam(
 
 def _float_leaves(tree):
   return jax.tree.map(lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating), tree)
+
+
+def _directions(grads, mu, nu, leaves: common.Leaves, count, freeze_count, finite, *, b1, b2,
+                eps, bias_correction) -> list[jax.Array]:
+  """Each leaf's Adam direction :math:`\\hat m / (\\sqrt{\\hat v} + \\epsilon)`, NaN
+  everywhere on a non-finite step, zero for a leaf that is not float. A compressed leaf's
+  variance is corrected for the updates up to its freeze."""
+  out = []
+  for i, g in enumerate(grads):
+    if leaves.kinds[i] == "other":
+      out.append(common.zero_update(g))
+      continue
+    frozen_variance = leaves.kinds[i] == "compressed"
+    variance_count = jnp.minimum(count, freeze_count) if frozen_variance else count
+    m_hat, v_hat = mu[i], nu[i]
+    if bias_correction:
+      m_hat = optax.tree.bias_correction(m_hat, b1, count)
+      v_hat = optax.tree.bias_correction(v_hat, b2, variance_count)
+    direction = m_hat / (jnp.sqrt(v_hat) + eps)
+    out.append(jnp.where(finite, direction, jnp.nan).astype(jnp.result_type(g)))
+  return out
 
 
 def _stats(frozen: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,

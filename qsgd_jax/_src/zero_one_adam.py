@@ -217,7 +217,7 @@ def zero_one_adam(
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
     sizes = common.mapped_sizes(axes, axis_size, owner)
     layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    worker_error, server_error = common.initial_errors(layout)
+    worker_error, server_error = common.initial_errors(layout, axes)
     flat = jax.tree.leaves(params)
     one = jnp.ones((), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -264,14 +264,11 @@ def zero_one_adam(
     frozen = state.count >= state.freeze_count
 
     freeze_count, history = state.freeze_count, state.variance_history
-    if auto and compressed:
-      correction = 1 - b2 ** step.variance_updates if bias_correction else 1.0
-      history, settled = auto.record(
-          history, step.variance_updates,
-          common.statistic([step.nu[i] for i in compressed], correction))
-      recorded = step.variance_updated & step.finite
-      history = jnp.where(recorded, history, state.variance_history)
-      freeze_count = jnp.where(recorded & settled, count, freeze_count)
+    if auto:
+      history, freeze_count = auto.update(
+          history, freeze_count, variances=[step.nu[i] for i in compressed],
+          updates_seen=step.variance_updates, recorded=step.variance_updated & step.finite,
+          count=count, b2=b2, bias_correction=bias_correction)
     # zoadam.py 310-317: the errors start afresh when the variance freezes.
     freezing = jnp.logical_not(frozen) & (count >= freeze_count)
     worker_error, server_error = jax.tree.map(lambda e: jnp.where(freezing, 0.0, e),
