@@ -147,7 +147,7 @@ def encode(gather_plan: plan.ReductionPlan, leaves: list[jax.Array], key) -> jax
   words = []
   if gather_plan.compressed:
     blocks = layout.join(gather_plan, layout.segment_vectors(gather_plan, leaves))
-    payloads = exchange.encode_blocks(gather_plan.compressor, _device_key(gather_plan, key),
+    payloads = exchange.encode_blocks(gather_plan.block_compressors, _device_key(gather_plan, key),
                                       blocks, batch_dims=2)
     words = [jax.vmap(jax.vmap(serialize.to_words))(p).reshape(-1) for p in payloads]
   words += [serialize.to_words(leaves[i]) for i in _raw(gather_plan)]
@@ -199,7 +199,7 @@ def decode(gather_plan: plan.ReductionPlan, gathered: jax.Array) -> list[jax.Arr
   start = sum(gather_plan.block_words)
   if gather_plan.compressed:
     payloads = exchange.payload_rows(gather_plan, gathered[:, :start])
-    decoded = exchange.decode_blocks(gather_plan.compressor, payloads, batch_dims=2)
+    decoded = exchange.decode_blocks(gather_plan.block_compressors, payloads, batch_dims=2)
     for block, data in zip(gather_plan.blocks, decoded, strict=True):  # [N, batch, ...]
       for b, k in enumerate(block.segments):
         segment = gather_plan.segments[k]
