@@ -158,6 +158,54 @@ def test_gather_over_two_axes_is_the_gather_over_their_devices():
                                                                   ("all-gather", 4)]
 
 
+# Leaves of odd sizes, from just over 1,024 elements (128 a device) to 70,000: flattened
+# (FlatShard) or sharded by rows, so that each device's share is just past a bucket, or far
+# from one, or under one.
+ODD_SIZES = {"a": (1025,), "b": (8, 257), "c": (2049,), "d": (3, 1367), "e": (4097,),
+             "f": (24, 683), "g": (5, 7, 331), "h": (16385,), "i": (33333,), "j": (69999,)}
+ODD_THRESHOLD = 1024
+
+
+def _odd_gather(shards, forward):
+  """Each device's gathered copy of ``shards``, stacked along the axis."""
+  params = qsgd_jax.fsdp_gather(shards, AXIS, forward=forward,
+                                min_compressed_size=ODD_THRESHOLD)
+  return jax.tree.map(lambda a: a[None], params)
+
+
+@pytest.mark.parametrize("bits, most", [(8, 8.5), (4, 4.5)])
+def test_gather_sends_at_most_half_a_bit_more_a_coordinate_whatever_the_shape(bits, most):
+  """Buckets of 2,048 padded a share of 1,024 (8,192 elements over 8 devices) to 2,048: 16
+  bits a coordinate. Each share is now cut into buckets that fit it; and each leaf decodes
+  as accurately as in buckets of 2,048, bit-identical on every device."""
+  weights = qsgd_jax.NearestAbsMax(bits=bits)
+  rng = np.random.default_rng(11)
+  params = {name: rng.normal(size=shape).astype(np.float32) for name, shape in ODD_SIZES.items()}
+  shards = qsgd_jax.fsdp_shard(params, MESH, AXIS, min_sharded_size=ODD_THRESHOLD)
+  specs = jax.tree.map(lambda a: a.sharding.spec, shards)
+  for name, shape in ODD_SIZES.items():
+    one = jax.jit(jax.shard_map(functools.partial(_odd_gather, forward=weights), mesh=MESH,
+                                in_specs=(specs[name],), out_specs=P(AXIS)))
+    sent = [c for c in qsgd_jax.collectives_in_hlo(one.lower(shards[name]).compile().as_text())
+            if c.kind == "all-gather"]
+    size = math.prod(shape)
+    assert len(sent) == 1
+    assert 8 * sent[0].bytes_sent / ((NUM_DEVICES - 1) / NUM_DEVICES * size) <= most, name
+  gather = jax.jit(jax.shard_map(functools.partial(_odd_gather, forward=weights), mesh=MESH,
+                                 in_specs=(specs,), out_specs=P(AXIS)))
+  out = jax.tree.map(np.asarray, gather(shards))
+  assert_replicas_identical(out)
+  in_buckets_of_2048 = jax.jit(jax.vmap(lambda v: weights.decode(weights.encode(None, v))))
+  for name, value in params.items():
+    share = -(-value.size // NUM_DEVICES)
+    rows = np.pad(value.reshape(-1), (0, NUM_DEVICES * share - value.size))
+    before = np.asarray(in_buckets_of_2048(rows.reshape(NUM_DEVICES, share)))
+    before = before.reshape(-1)[:value.size]
+    error = out[name][0].reshape(-1) - value.reshape(-1)
+    assert np.max(np.abs(error)) <= np.abs(value).max() / (2 * weights.levels) * (1 + 1e-6)
+    assert np.sqrt(np.mean(error**2)) <= 1.02 * np.sqrt(np.mean((before - value.reshape(-1))**2))
+
+
 # fsdp_gather.
 
 
