@@ -17,7 +17,12 @@ position, is the "secondary copy" that hpZ keeps within a node
 (:func:`qsgd_jax.fsdp_gather`).
 
 A device sends ``(N - 1) / N`` of its words: a ``b``-bit code is ``32 / b``
-times fewer bytes than a float32 all-gather.
+times fewer bytes than a float32 all-gather. Each shard is quantized in
+buckets cut to fit it (``plan.gather_run``: ``ceil(s / B)`` buckets of about
+equal length, whole words of codes, for a shard of ``s`` elements and the
+compressor's ``bucket_size`` ``B``), so padding costs less than a word a
+bucket: a shard of at least 128 elements costs at most ``b + 0.5`` bits a
+coordinate, its scales included.
 """
 
 import math

@@ -33,8 +33,10 @@ Two plans of their own serve FSDP: the reduce-scatter
 (:func:`~qsgd_jax.quantized_psum_scatter`) lays each leaf out as its ``n * m``
 shards, zero-padded to whole shards, summed in float32 over the inner axes
 first; the all-gather (:func:`~qsgd_jax.quantized_all_gather`) encodes the
-shards a device holds, whole, and sends their words with those of the leaves
-it does not compress in one all-gather an axis level.
+shards a device holds, whole, each in buckets cut to fit it (:func:`gather_run`:
+a shard of ``B + 1`` elements is two buckets of about ``B / 2``, not two of
+``B``), and sends their words with those of the leaves it does not compress in
+one all-gather an axis level.
 """
 
 import dataclasses
