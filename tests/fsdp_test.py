@@ -289,6 +289,57 @@ def test_fsdp_shard_lays_out_rows_flat_shards_and_replicated_leaves():
   jax.tree.map(np.testing.assert_array_equal, _whole(shards), _params())
 
 
+class _HostLeaf:
+  """A leaf on the host that hands out slices only: reading it whole is an error."""
+
+  def __init__(self, value):
+    self.value, self.reads = value, []
+
+  shape = property(lambda self: self.value.shape)
+  dtype = property(lambda self: self.value.dtype)
+
+  def __getitem__(self, index):
+    self.reads.append(self.value[index].size)
+    return self.value[index]
+
+  def __array__(self, *args, **kwargs):
+    raise AssertionError("fsdp_shard read the whole leaf")
+
+
+def test_fsdp_shard_gives_each_device_its_shard_and_builds_no_whole_leaf():
+  params = _params()
+  host = {"w1": _HostLeaf(params["w1"]), "odd": _HostLeaf(params["odd"].astype(np.float64))}
+  shards = qsgd_jax.fsdp_shard(host, MESH, AXIS)
+  assert shards["w1"].sharding.spec == P(AXIS) and shards["odd"].shard.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(shards["w1"]), params["w1"])
+  np.testing.assert_array_equal(_whole(shards)["odd"], params["odd"])
+  # One read a device: its rows, or the rows that hold its part of the flattened leaf.
+  assert host["w1"].reads == [64 * 128 // NUM_DEVICES] * NUM_DEVICES
+  assert len(host["odd"].reads) == NUM_DEVICES and max(host["odd"].reads) <= 3 * 500
+  # On devices: the same layout, by one program whose output is sharded.
+  on_devices = qsgd_jax.fsdp_shard(jax.tree.map(jnp.asarray, params), MESH, AXIS)
+  assert jax.tree.map(lambda a: a.sharding, on_devices) == jax.tree.map(
+      lambda a: a.sharding, qsgd_jax.fsdp_shard(params, MESH, AXIS))
+  jax.tree.map(np.testing.assert_array_equal, _whole(on_devices), params)
+
+
+def test_a_flat_shard_under_the_gathers_threshold_is_an_error_naming_both_thresholds():
+  """fsdp_shard's min_sharded_size and fsdp_gather's min_compressed_size are one threshold:
+  a leaf sharded under the gather's would go in float32, unsaid."""
+  shards = qsgd_jax.fsdp_shard({"odd": np.ones((9, 300), np.float32)}, MESH, AXIS,
+                               min_sharded_size=1024)
+
+  def gather(**kwargs):
+    return jax.shard_map(lambda s: qsgd_jax.fsdp_gather(s, AXIS, **kwargs)["odd"][None],
+                         mesh=MESH, out_specs=P(AXIS))
+
+  with pytest.raises(ValueError, match=r"leaf \['odd'\] is a FlatShard of 2700 elements, "
+                     r"under min_compressed_size=4096.*pass fsdp_gather the min_sharded_size"):
+    _trace(gather(), shards)
+  found = _hlo_collectives(_trace(gather(min_compressed_size=1024), shards))
+  assert [c[0] for c in found] == ["all-gather"] and found[0][2] < 2700  # 8 bits, not 32.
+
+
 def test_uncompressed_gradient_is_float32_fsdp():
   shards, x, (exact, *_) = _gradients()
   params = _params()
