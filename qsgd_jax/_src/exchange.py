@@ -34,10 +34,10 @@ def encode_blocks(compressor: base.Compressor | Sequence[base.Compressor], key: 
     One batched :class:`~qsgd_jax.Payload` a block.
   """
   return [_encode_batched(c, jax.random.fold_in(key, g), block, batch_dims)
-          for g, (c, block) in enumerate(zip(_each(compressor, blocks), blocks, strict=True))]
+          for g, (c, block) in enumerate(zip(_per_block(compressor, blocks), blocks, strict=True))]
 
 
-def _each(compressor, blocks: Sequence) -> Sequence[base.Compressor]:
+def _per_block(compressor, blocks: Sequence) -> Sequence[base.Compressor]:
   """One compressor a block: ``compressor`` repeated, or as given."""
   return [compressor] * len(blocks) if isinstance(compressor, base.Compressor) else compressor
 
@@ -105,7 +105,7 @@ def decode_blocks(compressor: base.Compressor | Sequence[base.Compressor],
                   payloads: Sequence[base.Payload], batch_dims: int = 1) -> list[jax.Array]:
   """Decodes each batched payload of :func:`encode_blocks` (one compressor, or one a block)."""
   out = []
-  for c, payload in zip(_each(compressor, payloads), payloads, strict=True):
+  for c, payload in zip(_per_block(compressor, payloads), payloads, strict=True):
     decode = c.decode
     for _ in range(batch_dims):
       decode = jax.vmap(decode)
