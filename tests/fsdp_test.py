@@ -158,6 +158,54 @@ def test_gather_over_two_axes_is_the_gather_over_their_devices():
                                                                   ("all-gather", 4)]
 
 
+# Leaves of odd sizes, from just over 1,024 elements (128 a device) to 70,000: flattened
+# (FlatShard) or sharded by rows, so that each device's share is just past a bucket, or far
+# from one, or under one.
+ODD_SIZES = {"a": (1025,), "b": (8, 257), "c": (2049,), "d": (3, 1367), "e": (4097,),
+             "f": (24, 683), "g": (5, 7, 331), "h": (16385,), "i": (33333,), "j": (69999,)}
+ODD_THRESHOLD = 1024
+
+
+def _odd_gather(shards, forward):
+  """Each device's gathered copy of ``shards``, stacked along the axis."""
+  params = qsgd_jax.fsdp_gather(shards, AXIS, forward=forward,
+                                min_compressed_size=ODD_THRESHOLD)
+  return jax.tree.map(lambda a: a[None], params)
+
+
+@pytest.mark.parametrize("bits, most", [(8, 8.5), (4, 4.5)])
+def test_gather_sends_at_most_half_a_bit_more_a_coordinate_whatever_the_shape(bits, most):
+  """Buckets of 2,048 padded a share of 1,024 (8,192 elements over 8 devices) to 2,048: 16
+  bits a coordinate. Each share is now cut into buckets that fit it; and each leaf decodes
+  as accurately as in buckets of 2,048, bit-identical on every device."""
+  weights = qsgd_jax.NearestAbsMax(bits=bits)
+  rng = np.random.default_rng(11)
+  params = {name: rng.normal(size=shape).astype(np.float32) for name, shape in ODD_SIZES.items()}
+  shards = qsgd_jax.fsdp_shard(params, MESH, AXIS, min_sharded_size=ODD_THRESHOLD)
+  specs = jax.tree.map(lambda a: a.sharding.spec, shards)
+  for name, shape in ODD_SIZES.items():
+    one = jax.jit(jax.shard_map(functools.partial(_odd_gather, forward=weights), mesh=MESH,
+                                in_specs=(specs[name],), out_specs=P(AXIS)))
+    sent = [c for c in qsgd_jax.collectives_in_hlo(one.lower(shards[name]).compile().as_text())
+            if c.kind == "all-gather"]
+    size = math.prod(shape)
+    assert len(sent) == 1
+    assert 8 * sent[0].bytes_sent / ((NUM_DEVICES - 1) / NUM_DEVICES * size) <= most, name
+  gather = jax.jit(jax.shard_map(functools.partial(_odd_gather, forward=weights), mesh=MESH,
+                                 in_specs=(specs,), out_specs=P(AXIS)))
+  out = jax.tree.map(np.asarray, gather(shards))
+  assert_replicas_identical(out)
+  in_buckets_of_2048 = jax.jit(jax.vmap(lambda v: weights.decode(weights.encode(None, v))))
+  for name, value in params.items():
+    share = -(-value.size // NUM_DEVICES)
+    rows = np.pad(value.reshape(-1), (0, NUM_DEVICES * share - value.size))
+    before = np.asarray(in_buckets_of_2048(rows.reshape(NUM_DEVICES, share)))
+    before = before.reshape(-1)[:value.size]
+    error = out[name][0].reshape(-1) - value.reshape(-1)
+    assert np.max(np.abs(error)) <= np.abs(value).max() / (2 * weights.levels) * (1 + 1e-6)
+    assert np.sqrt(np.mean(error**2)) <= 1.02 * np.sqrt(np.mean((before - value.reshape(-1))**2))
+
+
 # fsdp_gather.
 
 
@@ -239,6 +287,57 @@ def test_fsdp_shard_lays_out_rows_flat_shards_and_replicated_leaves():
   assert odd.shard.shape == (NUM_DEVICES * 563,) and odd.shard.sharding.spec == P(AXIS)
   np.testing.assert_array_equal(np.asarray(odd.shard)[4500:], 0.0)
   jax.tree.map(np.testing.assert_array_equal, _whole(shards), _params())
+
+
+class _HostLeaf:
+  """A leaf on the host that hands out slices only: reading it whole is an error."""
+
+  def __init__(self, value):
+    self.value, self.reads = value, []
+
+  shape = property(lambda self: self.value.shape)
+  dtype = property(lambda self: self.value.dtype)
+
+  def __getitem__(self, index):
+    self.reads.append(self.value[index].size)
+    return self.value[index]
+
+  def __array__(self, *args, **kwargs):
+    raise AssertionError("fsdp_shard read the whole leaf")
+
+
+def test_fsdp_shard_gives_each_device_its_shard_and_builds_no_whole_leaf():
+  params = _params()
+  host = {"w1": _HostLeaf(params["w1"]), "odd": _HostLeaf(params["odd"].astype(np.float64))}
+  shards = qsgd_jax.fsdp_shard(host, MESH, AXIS)
+  assert shards["w1"].sharding.spec == P(AXIS) and shards["odd"].shard.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(shards["w1"]), params["w1"])
+  np.testing.assert_array_equal(_whole(shards)["odd"], params["odd"])
+  # One read a device: its rows, or the rows that hold its part of the flattened leaf.
+  assert host["w1"].reads == [64 * 128 // NUM_DEVICES] * NUM_DEVICES
+  assert len(host["odd"].reads) == NUM_DEVICES and max(host["odd"].reads) <= 3 * 500
+  # On devices: the same layout, by one program whose output is sharded.
+  on_devices = qsgd_jax.fsdp_shard(jax.tree.map(jnp.asarray, params), MESH, AXIS)
+  assert jax.tree.map(lambda a: a.sharding, on_devices) == jax.tree.map(
+      lambda a: a.sharding, qsgd_jax.fsdp_shard(params, MESH, AXIS))
+  jax.tree.map(np.testing.assert_array_equal, _whole(on_devices), params)
+
+
+def test_a_flat_shard_under_the_gathers_threshold_is_an_error_naming_both_thresholds():
+  """fsdp_shard's min_sharded_size and fsdp_gather's min_compressed_size are one threshold:
+  a leaf sharded under the gather's would go in float32, unsaid."""
+  shards = qsgd_jax.fsdp_shard({"odd": np.ones((9, 300), np.float32)}, MESH, AXIS,
+                               min_sharded_size=1024)
+
+  def gather(**kwargs):
+    return jax.shard_map(lambda s: qsgd_jax.fsdp_gather(s, AXIS, **kwargs)["odd"][None],
+                         mesh=MESH, out_specs=P(AXIS))
+
+  with pytest.raises(ValueError, match=r"leaf \['odd'\] is a FlatShard of 2700 elements, "
+                     r"under min_compressed_size=4096.*pass fsdp_gather the min_sharded_size"):
+    _trace(gather(), shards)
+  found = _hlo_collectives(_trace(gather(min_compressed_size=1024), shards))
+  assert [c[0] for c in found] == ["all-gather"] and found[0][2] < 2700  # 8 bits, not 32.
 
 
 def test_uncompressed_gradient_is_float32_fsdp():

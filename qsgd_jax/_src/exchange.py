@@ -19,12 +19,13 @@ from qsgd_jax._src import base, layout, serialize
 from qsgd_jax._src.plan import ReductionPlan
 
 
-def encode_blocks(compressor: base.Compressor, key: jax.Array, blocks: Sequence[jax.Array],
-                  batch_dims: int = 1) -> list[base.Payload]:
+def encode_blocks(compressor: base.Compressor | Sequence[base.Compressor], key: jax.Array,
+                  blocks: Sequence[jax.Array], batch_dims: int = 1) -> list[base.Payload]:
   """Encodes each ``[batch..., ...]`` block, every element under its own key.
 
   Args:
-    compressor: the compressor.
+    compressor: the compressor, or one a block (a gather plan's
+      ``block_compressors``).
     key: a PRNG key; block ``g`` folds in ``g``, then splits over its batch.
     blocks: from :func:`~qsgd_jax._src.layout.join`, ``[batch, rows, ...]``.
     batch_dims: how many leading axes to map ``encode`` over.
@@ -32,8 +33,13 @@ def encode_blocks(compressor: base.Compressor, key: jax.Array, blocks: Sequence[
   Returns:
     One batched :class:`~qsgd_jax.Payload` a block.
   """
-  return [_encode_batched(compressor, jax.random.fold_in(key, g), block, batch_dims)
-          for g, block in enumerate(blocks)]
+  return [_encode_batched(c, jax.random.fold_in(key, g), block, batch_dims)
+          for g, (c, block) in enumerate(zip(_per_block(compressor, blocks), blocks, strict=True))]
+
+
+def _per_block(compressor, blocks: Sequence) -> Sequence[base.Compressor]:
+  """One compressor a block: ``compressor`` repeated, or as given."""
+  return [compressor] * len(blocks) if isinstance(compressor, base.Compressor) else compressor
 
 
 def _encode_batched(compressor: base.Compressor, key: jax.Array, block: jax.Array,
@@ -95,13 +101,16 @@ def _stack_flat(*fields: jax.Array) -> jax.Array:
                                                                   *fields[0].shape)
 
 
-def decode_blocks(compressor: base.Compressor, payloads: Sequence[base.Payload],
-                  batch_dims: int = 1) -> list[jax.Array]:
-  """Decodes each batched payload of :func:`encode_blocks`."""
-  decode = compressor.decode
-  for _ in range(batch_dims):
-    decode = jax.vmap(decode)
-  return [decode(payload) for payload in payloads]
+def decode_blocks(compressor: base.Compressor | Sequence[base.Compressor],
+                  payloads: Sequence[base.Payload], batch_dims: int = 1) -> list[jax.Array]:
+  """Decodes each batched payload of :func:`encode_blocks` (one compressor, or one a block)."""
+  out = []
+  for c, payload in zip(_per_block(compressor, payloads), payloads, strict=True):
+    decode = c.decode
+    for _ in range(batch_dims):
+      decode = jax.vmap(decode)
+    out.append(decode(payload))
+  return out
 
 
 def device_rows(payload: base.Payload, n: int) -> jax.Array:

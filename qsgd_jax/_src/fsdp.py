@@ -114,8 +114,23 @@ def fsdp_shard(tree, mesh: jax.sharding.Mesh, axis_name: axes_lib.AxisName, *,
   gradients are summed exactly by autodiff, which for so few elements costs
   less than a gather and a reduce-scatter.
 
+  ``min_sharded_size`` and :func:`fsdp_gather`'s ``min_compressed_size`` are
+  one threshold (4096 elements by default; pass both the same value): what
+  is sharded is gathered compressed, what is not stays whole. A
+  :class:`FlatShard` under :func:`fsdp_gather`'s threshold is an error there;
+  a leaf sharded along its rows under it travels in float32, as a small leaf
+  sharded by hand (``jax.device_put(params, P(axis_name))``, JAX's FSDP
+  tutorial) does.
+
+  No device builds a whole leaf to shard it: a leaf on the host (a NumPy
+  array, or any array-like with ``shape``, ``dtype`` and slicing) is placed
+  with ``jax.make_array_from_callback``, each device given only its shard
+  (the rows of the leaf that hold it), so a model larger than one device
+  can be laid out from host memory; a ``jax.Array`` is resharded, or
+  flattened and padded by one program whose output is sharded.
+
   Args:
-    tree: a pytree of arrays, the whole parameters.
+    tree: a pytree of arrays (on the host or on devices), the whole parameters.
     mesh: the device mesh.
     axis_name: the mesh axis to shard over, or ``(outer, inner, ...)``.
     min_sharded_size: float leaves with fewer elements stay replicated.
@@ -144,16 +159,52 @@ def fsdp_shard(tree, mesh: jax.sharding.Mesh, axis_name: axes_lib.AxisName, *,
   replicated = NamedSharding(mesh, P())
 
   def place(leaf):
-    leaf = jnp.asarray(leaf)
-    if leaf.size < min_sharded_size or not jnp.issubdtype(leaf.dtype, jnp.floating):
+    shape = tuple(np.shape(leaf))
+    dtype = jax.dtypes.canonicalize_dtype(jnp.result_type(leaf))
+    if math.prod(shape) < min_sharded_size or not jnp.issubdtype(dtype, jnp.floating):
       return jax.device_put(leaf, replicated)
-    if leaf.ndim and leaf.shape[0] % n == 0:
-      return jax.device_put(leaf, sharded)
-    flat = leaf.reshape(-1)
-    padded = jnp.concatenate([flat, jnp.zeros(-flat.size % n, flat.dtype)])
-    return FlatShard(jax.device_put(padded, sharded), tuple(leaf.shape))
+    flat = not (shape and shape[0] % n == 0)
+    if isinstance(leaf, jax.Array):  # On devices, or traced: each device computes its shard.
+      return _shard_on_devices(leaf, sharded, n, flat)
+    if flat:
+      padded = (n * -(-math.prod(shape) // n),)
+      return FlatShard(jax.make_array_from_callback(
+          padded, sharded, lambda index: _flat_part(leaf, index[0], padded[0], dtype)), shape)
+    return jax.make_array_from_callback(
+        shape, sharded, lambda index: np.asarray(leaf[index], dtype))
 
   return jax.tree.map(place, tree)
+
+
+def _shard_on_devices(leaf: jax.Array, sharded: NamedSharding, n: int, flat: bool):
+  """``leaf`` laid out on ``sharded``: resharded, or padded by one program whose output is
+  sharded, so that no device makes a whole copy of the leaf (or of its padded form) that
+  it did not hold before. (The ``device_put`` after it moves nothing; under tracing,
+  ``jax.eval_shape`` included, it gives the result its sharding.)"""
+  if not flat:
+    return jax.device_put(leaf, sharded)
+
+  def pad(x):
+    x = x.reshape(-1)
+    return jnp.concatenate([x, jnp.zeros(-x.size % n, x.dtype)])
+
+  return FlatShard(jax.device_put(jax.jit(pad, out_shardings=sharded)(leaf), sharded),
+                   tuple(leaf.shape))
+
+
+def _flat_part(leaf, index: slice, padded: int, dtype) -> np.ndarray:
+  """Elements ``index`` of ``leaf`` (on the host) flattened and zero-padded to ``padded``,
+  read as the rows of ``leaf`` that hold them rather than as the whole leaf."""
+  shape = np.shape(leaf)
+  start, stop, _ = index.indices(padded)
+  if not shape:  # A scalar: its one element.
+    values = np.asarray(leaf, dtype).reshape(1)[start:stop]
+  else:
+    row = math.prod(shape[1:])
+    first, last = start // row, min(-(-stop // row), shape[0])
+    offset = start - first * row
+    values = np.asarray(leaf[first:last], dtype).reshape(-1)[offset:offset + stop - start]
+  return np.concatenate([values, np.zeros(stop - start - values.size, dtype)])
 
 
 def fsdp_gather(
@@ -228,6 +279,10 @@ def fsdp_gather(
     axis: the dimension along which array shards are joined.
     min_compressed_size: leaves whose whole parameter has fewer elements
       travel as they are: gathered bit for bit, reduce-scattered in float32.
+      One threshold with :func:`fsdp_shard`'s ``min_sharded_size``: pass
+      both the same value (4096 by default), so that every leaf sharded is
+      compressed. (A small leaf sharded by hand, a bias under ``jax.pmap`` or
+      JAX's tutorial, travels as it is.)
 
   Returns:
     A pytree like ``shards`` of the whole parameters (a :class:`FlatShard`
@@ -236,8 +291,10 @@ def fsdp_gather(
 
   Raises:
     ValueError: a :class:`FlatShard` whose shard does not fit the axes (it
-      was sharded over a different mesh), a leaf replicated over some of the
-      axes but not all, or a compressor that cannot be used.
+      was sharded over a different mesh), or whose parameter is under
+      ``min_compressed_size`` (:func:`fsdp_shard` was given a lower
+      ``min_sharded_size``), a leaf replicated over some of the axes but not
+      all, or a compressor that cannot be used.
 
   Examples:
     >>> import functools, jax, jax.numpy as jnp, qsgd_jax
@@ -271,6 +328,7 @@ def fsdp_gather(
   for path, leaf in zip(_paths(shards), leaves, strict=True):
     if isinstance(leaf, FlatShard):
       internal.append(_check_flat(leaf, num_devices, path))
+      _check_threshold(leaf, path, min_compressed_size)
       flat_shapes.append(leaf.shape)
     elif _replicated(leaf, axes, path, owner):
       continue
@@ -332,6 +390,21 @@ def _check_flat(leaf: FlatShard, n: int, path: str) -> jax.Array:
         "it was sharded for another mesh or axis. Shard the parameters with "
         "qsgd_jax.fsdp_shard(params, mesh, axis_name) over the axes passed here.")
   return shard
+
+
+def _check_threshold(leaf: FlatShard, path: str, min_compressed_size: int) -> None:
+  """Raises for a :class:`FlatShard` under ``min_compressed_size``: :func:`fsdp_shard` sharded
+  it with a lower ``min_sharded_size``, and it would travel in float32, unsaid."""
+  size = math.prod(leaf.shape)
+  if size < min_compressed_size and jnp.issubdtype(jnp.result_type(leaf.shard), jnp.floating):
+    raise ValueError(
+        f"fsdp_gather: leaf {path} is a FlatShard of {size} elements, under "
+        f"min_compressed_size={min_compressed_size}: fsdp_shard sharded it (its "
+        f"min_sharded_size was at most {size}), and it would be gathered and reduce-scattered "
+        "in float32. The two take one threshold: pass fsdp_gather the min_sharded_size given "
+        "to fsdp_shard as min_compressed_size (both are "
+        f"{plan.DEFAULT_MIN_COMPRESSED_SIZE} by default), or shard with a min_sharded_size "
+        "above the leaf's size to keep it whole on every device.")
 
 
 def _replicated(leaf, axes: axes_lib.Axes, path: str | None, owner: str) -> bool:

@@ -17,7 +17,12 @@ position, is the "secondary copy" that hpZ keeps within a node
 (:func:`qsgd_jax.fsdp_gather`).
 
 A device sends ``(N - 1) / N`` of its words: a ``b``-bit code is ``32 / b``
-times fewer bytes than a float32 all-gather.
+times fewer bytes than a float32 all-gather. Each shard is quantized in
+buckets cut to fit it (``plan.gather_run``: ``ceil(s / B)`` buckets of about
+equal length, whole words of codes, for a shard of ``s`` elements and the
+compressor's ``bucket_size`` ``B``), so padding costs less than a word a
+bucket: a shard of at least 128 elements costs at most ``b + 0.5`` bits a
+coordinate, its scales included.
 """
 
 import math
@@ -147,7 +152,7 @@ def encode(gather_plan: plan.ReductionPlan, leaves: list[jax.Array], key) -> jax
   words = []
   if gather_plan.compressed:
     blocks = layout.join(gather_plan, layout.segment_vectors(gather_plan, leaves))
-    payloads = exchange.encode_blocks(gather_plan.compressor, _device_key(gather_plan, key),
+    payloads = exchange.encode_blocks(gather_plan.block_compressors, _device_key(gather_plan, key),
                                       blocks, batch_dims=2)
     words = [jax.vmap(jax.vmap(serialize.to_words))(p).reshape(-1) for p in payloads]
   words += [serialize.to_words(leaves[i]) for i in _raw(gather_plan)]
@@ -199,7 +204,7 @@ def decode(gather_plan: plan.ReductionPlan, gathered: jax.Array) -> list[jax.Arr
   start = sum(gather_plan.block_words)
   if gather_plan.compressed:
     payloads = exchange.payload_rows(gather_plan, gathered[:, :start])
-    decoded = exchange.decode_blocks(gather_plan.compressor, payloads, batch_dims=2)
+    decoded = exchange.decode_blocks(gather_plan.block_compressors, payloads, batch_dims=2)
     for block, data in zip(gather_plan.blocks, decoded, strict=True):  # [N, batch, ...]
       for b, k in enumerate(block.segments):
         segment = gather_plan.segments[k]

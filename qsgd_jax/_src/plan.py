@@ -33,8 +33,10 @@ Two plans of their own serve FSDP: the reduce-scatter
 (:func:`~qsgd_jax.quantized_psum_scatter`) lays each leaf out as its ``n * m``
 shards, zero-padded to whole shards, summed in float32 over the inner axes
 first; the all-gather (:func:`~qsgd_jax.quantized_all_gather`) encodes the
-shards a device holds, whole, and sends their words with those of the leaves
-it does not compress in one all-gather an axis level.
+shards a device holds, whole, each in buckets cut to fit it (:func:`gather_run`:
+a shard of ``B + 1`` elements is two buckets of about ``B / 2``, not two of
+``B``), and sends their words with those of the leaves it does not compress in
+one all-gather an axis level.
 """
 
 import dataclasses
@@ -268,6 +270,8 @@ class ReductionPlan:
     for i in self.compressed:
       shape = self._shard_rows_shape(i) if scatter else self.leaf_shapes[i]
       run = self.compressor.bucket_length(shape)
+      if self.method == GATHER:
+        run = gather_run(self.compressor, run, math.prod(shape))
       groups.setdefault(("leaf", i) if run is None else ("run", run), (run, []))[1].append(i)
     m = 1 if self.method == GATHER else self.inner_size  # A gather's shards stay whole.
     segments = []
@@ -301,10 +305,24 @@ class ReductionPlan:
     return tuple(blocks.values())
 
   @functools.cached_property
+  def block_compressors(self) -> tuple[base.Compressor, ...]:
+    """For each block, the compressor that encodes it: :attr:`compressor`, but for a
+    gather's segment of runs, whose buckets are its run (:func:`gather_run`)."""
+    out = []
+    for block in self.blocks:
+      run = self.segments[block.segments[0]].run
+      if (self.method == GATHER and isinstance(self.compressor, base.FixedBuckets)
+          and run is not None and run != self.compressor.bucket_size):
+        out.append(dataclasses.replace(self.compressor, bucket_size=run))
+      else:
+        out.append(self.compressor)
+    return tuple(out)
+
+  @functools.cached_property
   def block_templates(self) -> tuple[base.Payload, ...]:
     """For each block, the payload of one encoded element (one row)."""
-    return tuple(jax.eval_shape(self.compressor.encode, jax.random.key(0),
-                                _f32(block.element_shape)) for block in self.blocks)
+    return tuple(jax.eval_shape(compressor.encode, jax.random.key(0), _f32(block.element_shape))
+                 for block, compressor in zip(self.blocks, self.block_compressors, strict=True))
 
   @functools.cached_property
   def block_words(self) -> tuple[int, ...]:
@@ -428,6 +446,31 @@ class ReductionPlan:
           "call init inside the mapped function."
       )
     return size
+
+
+def gather_run(compressor: base.Compressor, run: int | None, size: int) -> int | None:
+  """The run a gather quantizes a shard of ``size`` elements in: buckets cut to fit the shard.
+
+  A shard is encoded on its own, so its buckets need not be the compressor's
+  ``bucket_size`` ``B``: the shard is cut into ``k = ceil(size / B)`` buckets
+  of ``ceil(size / k)`` elements, rounded up to whole words of codes (4 codes
+  of 8 bits, 8 of 4) where that stays within ``B``. It pads at most ``k``
+  buckets by a word's codes, where buckets of ``B`` would pad a shard of
+  ``B + 1`` elements to ``2 B``: at ``b`` bits a code, a shard of ``s >= 128``
+  elements costs at most ``b + 0.5`` bits a coordinate, scales and padding
+  included (``b + 64 k / s``, as each bucket adds a float32 scale and less
+  than a word of padding). Every bucket is at most ``B`` long, so it rounds
+  within the same bound as before. Compressors without a fixed
+  ``bucket_size`` (one scale an array, or an element a run) keep ``run``.
+  """
+  if not isinstance(compressor, base.FixedBuckets) or run is None or run <= 1 or size == 0:
+    return run
+  count = -(-size // run)
+  length = -(-size // count)
+  bits = getattr(compressor, "bits", None)
+  word = 32 // bits if isinstance(bits, int) and 32 % bits == 0 else 1
+  rounded = -(-length // word) * word
+  return rounded if rounded <= run else length
 
 
 def padded_offsets(sizes, unit: int) -> tuple[tuple[int, ...], int]:
