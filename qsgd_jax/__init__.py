@@ -34,7 +34,7 @@ from qsgd_jax._src.decentralized import (
 )
 from qsgd_jax._src.diloco import DiLoCoState, diloco
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
-from qsgd_jax._src.fsdp import FlatShard, fsdp_gather, fsdp_remat_policy, fsdp_shard
+from qsgd_jax._src.fsdp import fsdp_gather, fsdp_remat_policy
 from qsgd_jax._src.fsdp_onebit import (
     FSDPOneBitAdamState,
     fsdp_onebit_adam,
@@ -42,6 +42,7 @@ from qsgd_jax._src.fsdp_onebit import (
     fsdp_onebit_gather,
     scale_by_fsdp_onebit_adam,
 )
+from qsgd_jax._src.fsdp_shards import FlatShard, fsdp_shard
 from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.low_rank import attention_matrix_view
 from qsgd_jax._src.minmax import MinMax

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from qsgd_jax._src import fsdp as fsdp_module
+from qsgd_jax._src import fsdp_shards, nearest_abs_max
 from qsgd_jax._src import gather as gather_module
-from qsgd_jax._src import nearest_abs_max
 from qsgd_jax._src import plan as plan_lib
 
 AXIS = "batch"
@@ -550,7 +550,7 @@ def test_a_gradient_reduced_already_is_a_trace_time_error(gather):
                          out_specs=P(None, AXIS)), w, x)
 
 
-@pytest.mark.parametrize("module", [nearest_abs_max, gather_module, fsdp_module])
+@pytest.mark.parametrize("module", [nearest_abs_max, gather_module, fsdp_module, fsdp_shards])
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

@@ -44,8 +44,9 @@ import numpy as np
 import optax
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, fsdp, gather, packing, plan, provenance
+from qsgd_jax._src import base, fsdp, fsdp_passes, gather, packing, plan, provenance
 from qsgd_jax._src.baselines import Identity
+from qsgd_jax._src.fsdp_shards import FlatShard
 
 # The gradients' compressor while warming up: float32, as 1-bit Adam warms up.
 DEFAULT_WARM_UP = Identity()
@@ -61,7 +62,7 @@ class _Config:
     shards: each gathered leaf's elements a device.
   """
 
-  base: fsdp._Config
+  base: fsdp_passes.GatherConfig
   sizes: tuple[int, ...]
   shards: tuple[int, ...]
 
@@ -213,29 +214,30 @@ def _configure(shards, axis_name, forward, warm_up, min_compressed_size):
                      f"got {axis_name!r}.")
   n = math.prod(axes.sizes(owner))
   internal, flat_shapes, sizes = [], [], []
-  for path, leaf in zip(fsdp._paths(shards), jax.tree.leaves(shards, is_leaf=fsdp._is_flat),
-                        strict=True):
-    if isinstance(leaf, fsdp.FlatShard):
-      internal.append(fsdp._check_flat(leaf, n, path))
+  leaves = jax.tree.leaves(shards, is_leaf=fsdp_passes.is_flat)
+  for path, leaf in zip(fsdp_passes.paths(shards), leaves, strict=True):
+    if isinstance(leaf, FlatShard):
+      internal.append(fsdp_passes.check_flat(leaf, n, path))
       flat_shapes.append(leaf.shape)
       sizes.append(math.prod(leaf.shape))
-    elif not fsdp._replicated(leaf, axes, path, owner):
+    elif not fsdp_passes.replicated(leaf, axes, path, owner):
       internal.append(jnp.asarray(leaf))
       flat_shapes.append(None)
       sizes.append(n * math.prod(jnp.shape(leaf)))
-  base_config = fsdp._Config(axes, forward, warm_up, min_compressed_size, tuple(flat_shapes))
+  base_config = fsdp_passes.GatherConfig(axes, forward, warm_up, min_compressed_size,
+                                         tuple(flat_shapes))
   config = _Config(base_config, tuple(sizes), tuple(math.prod(x.shape) for x in internal))
   return config, internal
 
 
 def _restore(shards, config: _Config, whole):
   """``shards``' tree with the gathered leaves whole (a FlatShard unpadded, reshaped)."""
-  leaves, treedef = jax.tree.flatten(shards, is_leaf=fsdp._is_flat)
+  leaves, treedef = jax.tree.flatten(shards, is_leaf=fsdp_passes.is_flat)
   out = []
   for leaf in leaves:
-    if isinstance(leaf, fsdp.FlatShard):
+    if isinstance(leaf, FlatShard):
       out.append(next(whole)[:math.prod(leaf.shape)].reshape(leaf.shape))
-    elif fsdp._replicated(leaf, config.base.axes, None, "fsdp_onebit_gather"):
+    elif fsdp_passes.replicated(leaf, config.base.axes, None, "fsdp_onebit_gather"):
       out.append(leaf)
     else:
       out.append(next(whole))
@@ -245,11 +247,11 @@ def _restore(shards, config: _Config, whole):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gather(config: _Config, key, shards, worker_error, compress):
   del worker_error, compress
-  return fsdp._gather_forward(config.base, key, shards)[0]
+  return fsdp_passes.gather_forward(config.base, key, shards)[0]
 
 
 def _gather_forward(config: _Config, key, shards, worker_error, compress):
-  whole, backward_key = fsdp._gather_forward(config.base, key, shards)
+  whole, backward_key = fsdp_passes.gather_forward(config.base, key, shards)
   return whole, (backward_key, worker_error, compress)
 
 
@@ -257,7 +259,7 @@ def _gather_backward(config: _Config, residuals, cotangents):
   backward_key, worker_error, compress = residuals
 
   def warm_up(_):
-    return fsdp._gather_backward(config.base, backward_key, cotangents)[1], worker_error
+    return fsdp_passes.gather_backward(config.base, backward_key, cotangents)[1], worker_error
 
   def onebit(_):
     with jax.named_scope(provenance.scope(config.base.axes)):  # Marks the result as reduced.
