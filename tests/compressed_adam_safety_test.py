@@ -169,6 +169,15 @@ def test_auto_freeze_with_no_compressed_leaf_runs_as_adam(optimizer):
   np.testing.assert_allclose(np.asarray(p["b"][0]), -3e-2, rtol=1e-5)
 
 
+def _in_shard_map(fn):
+  """``fn(params, x)`` under ``jax.shard_map`` over 8 devices, params ``{"w": zeros((16, 64))}``
+  replicated and ``x`` (ones) split along the axis; its replicated result."""
+  mesh = jax.make_mesh((N,), (AXIS,))
+  x = jax.device_put(jnp.ones((N, 16)), NamedSharding(mesh, P(AXIS)))
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+  return jax.jit(mapped)({"w": jnp.zeros((16, 64))}, x)
+
+
 @pytest.mark.parametrize("make", [
     lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=2, min_compressed_size=0),
     lambda: qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=2, min_compressed_size=0,
@@ -176,9 +185,6 @@ def test_auto_freeze_with_no_compressed_leaf_runs_as_adam(optimizer):
 ], ids=["onebit_adam", "zero_one_adam"])
 def test_a_gradient_already_summed_over_the_axis_is_refused(make):
   tx = make()
-  mesh = jax.make_mesh((N,), (AXIS,))
-  params = {"w": jnp.zeros((16, 64))}
-  x = jax.device_put(jnp.ones((N, 16)), NamedSharding(mesh, P(AXIS)))
 
   def step(params, x):
     state = tx.init(params)
@@ -186,9 +192,8 @@ def test_a_gradient_already_summed_over_the_axis_is_refused(make):
     grads = jax.grad(lambda p: jnp.sum(x @ p["w"]))(params)
     return tx.update(grads, state, params)[0]
 
-  mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
   with pytest.raises(ValueError, match=r"\['w'\] is replicated over axis 'batch'"):
-    jax.jit(mapped)(params, x)
+    _in_shard_map(step)
 
 
 def test_zero_one_adams_local_steps_under_replicated_parameters_say_what_to_do():
@@ -213,9 +218,6 @@ def test_zero_one_adams_local_steps_under_replicated_parameters_say_what_to_do()
 ], ids=["onebit_adam", "zero_one_adam"])
 def test_init_and_update_in_one_shard_map(make):
   tx = make()
-  mesh = jax.make_mesh((N,), (AXIS,))
-  params = {"w": jnp.zeros((16, 64))}
-  x = jax.device_put(jnp.ones((N, 16)), NamedSharding(mesh, P(AXIS)))
 
   def steps(params, x):
     state = tx.init(params)
@@ -225,6 +227,5 @@ def test_init_and_update_in_one_shard_map(make):
       params = optax.apply_updates(params, updates)
     return params
 
-  out = jax.jit(jax.shard_map(steps, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))(
-      params, x)
+  out = _in_shard_map(steps)
   assert np.all(np.asarray(out["w"]) < 0)

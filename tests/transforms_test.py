@@ -280,6 +280,17 @@ def test_apply_if_finite_skips_a_step_with_one_bad_device(transform, bad):
   assert_replicas_identical(params)
 
 
+def _trace_data_parallel(tx, mesh):
+  """Traces a qsgd_jax.data_parallel step of ``tx`` on ``_PARAMS`` (shapes only)."""
+  train = qsgd_jax.data_parallel(lambda p, batch: jnp.mean((p["w"] * batch) ** 2), tx, mesh)
+  abstract_params = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+      _PARAMS)
+  batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
+                               sharding=NamedSharding(mesh, P(AXIS)))
+  return jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
+
+
 def test_wrapping_in_apply_if_finite_is_refused_at_trace_time_under_pmap_and_shard_map():
   # Each device would test its own gradient: device 3 skips, the others wait for it forever.
   tx = optax.apply_if_finite(optax.chain(qsgd_jax.qsgd(AXIS), optax.sgd(0.1)), 3)
@@ -289,14 +300,8 @@ def test_wrapping_in_apply_if_finite_is_refused_at_trace_time_under_pmap_and_sha
                      r"optax.apply_if_finite.*Put it after this transform"):
     jax.pmap(tx.update, axis_name=AXIS).lower(_gaussian(0), state)
   mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))
-  train = qsgd_jax.data_parallel(lambda p, batch: jnp.mean((p["w"] * batch) ** 2), tx, mesh)
-  abstract_params = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-      _PARAMS)
-  batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
-                               sharding=NamedSharding(mesh, P(AXIS)))
   with pytest.raises(ValueError, match="each device computes for itself"):
-    jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
+    _trace_data_parallel(tx, mesh)
   # The decentralized exchange likewise; its inner optimizer may be wrapped.
   ring = optax.apply_if_finite(qsgd_jax.low_precision_decentralized(optax.sgd(0.1), AXIS), 3)
   with pytest.raises(ValueError, match="Wrap the inner optimizer instead"):
@@ -326,15 +331,8 @@ def test_per_device_predicates_are_refused_and_step_counts_allowed():
   updates, state = jax.block_until_ready(step(grads, state))
   assert_replicas_identical(updates)  # Step 1: averaged.
   # Under shard_map the predicate's type says it: each device's own.
-  train = qsgd_jax.data_parallel(lambda p, batch: jnp.mean((p["w"] * batch) ** 2), skipping,
-                                 mesh)
-  abstract_params = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-      _PARAMS)
-  batch = jax.ShapeDtypeStruct((NUM_DEVICES, 64, 128), jnp.float32,
-                               sharding=NamedSharding(mesh, P(AXIS)))
   with pytest.raises(ValueError, match="each device computes for itself"):
-    jax.eval_shape(train.step, abstract_params, train.abstract_state(_PARAMS), batch)
+    _trace_data_parallel(skipping, mesh)
 
 
 def test_a_residual_overflowing_finite_updates_is_not_a_nonfinite_step():
