@@ -672,6 +672,9 @@ def parse_args(argv=None):
                       help="seconds without a heartbeat after which a process counts as lost"
                            " and the others end (qsgd_jax.initialize_distributed)")
   parser.add_argument("--out", type=pathlib.Path, default=_HERE / "results")
+  parser.add_argument("--suffix", default=None,
+                      help="the results' names end network_{N}proc{SUFFIX}.json and .md (default"
+                           " from --quick and --parts, e.g. _lm for --parts lm)")
   parser.add_argument("--throughput-json", type=pathlib.Path, default=None,
                       help="compressor_throughput.py's output, for the cost model (default:"
                            " the one in --out for 4,194,304 elements, else 1,048,576)")
@@ -736,9 +739,10 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
-  suffix = (f"{args.processes}proc" + ("_quick" if args.quick else "")
-            + ("_hugetlb" if _hugetlb() else "")
-            + (f"_{args.parts[0]}" if args.parts in (["lm_fsdp"], ["lm"]) else ""))
+  suffix = f"{args.processes}proc" + (("_quick" if args.quick else "")
+                                      + ("_hugetlb" if _hugetlb() else "")
+                                      + (f"_{args.parts[0]}" if args.parts in (["lm_fsdp"], ["lm"])
+                                         else "") if args.suffix is None else args.suffix)
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
