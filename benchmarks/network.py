@@ -114,12 +114,13 @@ _ROOT = _HERE.parent
 sys.path[:0] = [str(_ROOT), str(_HERE)]
 
 import cost_model  # noqa: E402
+import network_diloco  # noqa: E402
 import network_fsdp  # noqa: E402
 import network_lm  # noqa: E402
 import network_worker  # noqa: E402
 
 NAMESPACE = "qsgd_jax_network"
-PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm")
+PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm", "diloco_overlap")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
     "100 Mbit/s": 100e6,
@@ -680,6 +681,7 @@ def parse_args(argv=None):
                            " the one in --out for 4,194,304 elements, else 1,048,576)")
   network_fsdp.add_arguments(parser)
   network_lm.add_arguments(parser)
+  network_diloco.add_arguments(parser)
   args = parser.parse_args(argv)
   for rate in args.fsdp_rates or ():
     if rate not in RATES:
@@ -689,7 +691,11 @@ def parse_args(argv=None):
     network_lm.resolve_arguments(args, RATES)
   except ValueError as error:
     parser.error(str(error))
-  if args.parts == ["lm"]:  # The header and the files' names count the part's processes.
+  for rate in args.overlap_rates:
+    if rate not in RATES:
+      parser.error(f"--overlap-rates: {rate!r} is not one of {tuple(RATES)}")
+  if set(args.parts) <= {"lm", "diloco_overlap"}:  # The header and the files' names count
+    # the part's processes.
     args.processes = args.lm_processes
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
@@ -739,10 +745,11 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
+  alone = args.parts in (["lm_fsdp"], ["lm"], ["diloco_overlap"])  # A part run by itself.
   suffix = f"{args.processes}proc" + (("_quick" if args.quick else "")
                                       + ("_hugetlb" if _hugetlb() else "")
-                                      + (f"_{args.parts[0]}" if args.parts in (["lm_fsdp"], ["lm"])
-                                         else "") if args.suffix is None else args.suffix)
+                                      + (f"_{args.parts[0]}" if alone else "")
+                                      if args.suffix is None else args.suffix)
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
@@ -787,6 +794,14 @@ def main(argv=None) -> None:
       sections.append(_section(
           "Part 5: the language model, data-parallel, to float32's final loss",
           network_lm.table(report["lm"], args.lm_processes)))
+    if "diloco_overlap" in args.parts:
+      _log(f"Part 6: DiLoCo's exchange with delays {network_diloco.DELAYS} at"
+           f" {args.overlap_rates}")
+      report["diloco_overlap"] = network_diloco.run(
+          launcher.with_processes(args.lm_processes), args, work, RATES, _log)
+      sections.append(_section(
+          "Part 6: does DiLoCo's exchange overlap the computation?",
+          network_diloco.table(report["diloco_overlap"])))
   if namespace is not None and namespace.exists():
     raise RuntimeError(f"network namespace {namespace.name} still exists after the run")
   if "cost_model" in args.parts and "collectives" in report:
