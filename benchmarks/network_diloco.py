@@ -21,10 +21,17 @@ median, within the run. The free-link run's cost is the outer step's own
 computation; at a shaped rate the exchange adds its time on the wire, all of
 it with ``delay=0``; with ``delay=1`` less by what the step's computation
 hides.
+
+First, a probe (``network_overlap_worker.py``): one program of matmuls
+alone, a float32 ``pmean`` of 13.2 MB alone, both with no dependency between
+them, and both with the ``pmean`` under ``jax.lax.cond`` as DiLoCo's exchange
+is; the median of 7 calls each, at each rate.
 """
 
+import json
 import pathlib
 import statistics
+import sys
 
 import network_lm
 
@@ -68,12 +75,25 @@ def costs(records: list[dict], delay: int) -> dict:
           "wire_bytes_an_exchange": statistics.fmean(sent) if sent else 0.0}
 
 
+def probe(launcher, work: pathlib.Path) -> dict:
+  """``network_overlap_worker.py``'s median seconds of each program, on every process."""
+  address, out = launcher.coordinator_address(), work / "probe.json"
+  worker = str(pathlib.Path(__file__).resolve().parent / "network_overlap_worker.py")
+  launcher.run(lambda i: [sys.executable, worker, address, str(launcher.num_processes), str(i),
+                          str(out)], work / "logs")
+  return json.loads(out.read_text())
+
+
 def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
-  """Trains with each delay at each rate; returns each run's costs and what was hidden."""
+  """Probes, then trains with each delay at each rate; returns each run's costs and what was
+  hidden."""
   report = {"flags": FLAGS, "steps": args.overlap_steps, "rates": {}}
   for rate in args.overlap_rates if launcher.namespace else ("unthrottled",):
     if launcher.namespace:
       launcher.namespace.set_rate(rates[rate], launcher.num_processes)
+    log(f"diloco overlap: the probe at {rate}")
+    probed = probe(launcher, work / "diloco_overlap" / "probe" / rate.replace(" ", "_")
+                   .replace("/", "_"))
     runs = {}
     for delay in DELAYS:
       flags = [*FLAGS, f"--config.fragment_delay={delay}",
@@ -88,7 +108,7 @@ def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
     bits_per_second = rates[rate]
     wire = (None if bits_per_second is None
             else runs[0]["wire_bytes_an_exchange"] * 8 / bits_per_second)
-    report["rates"][rate] = {"delays": runs, "wire_seconds_an_exchange": wire,
+    report["rates"][rate] = {"probe": probed, "delays": runs, "wire_seconds_an_exchange": wire,
                              "hidden_seconds": (runs[0]["extra_seconds_a_round"]
                                                 - runs[1]["extra_seconds_a_round"])}
   return report
@@ -96,6 +116,15 @@ def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
 
 def table(report: dict) -> str:
   lines = [
+      "", "The probe: median seconds of a program (7 calls) on every process, at each rate.", "",
+      "| rate | matmuls alone | 13.2 MB pmean alone | both | both, the pmean under lax.cond |",
+      "|---|---|---|---|---|",
+  ]
+  for rate, entry in report["rates"].items():
+    seconds = entry["probe"]["seconds"]
+    lines.append(f"| {rate} | {seconds['compute']:.3f} | {seconds['exchange']:.3f} "
+                 f"| {seconds['both']:.3f} | {seconds['both_exchange_under_cond']:.3f} |")
+  lines += [
       "", f"`examples/lm` on {network_lm.CONFIG}, a worker a process, Streaming DiLoCo: "
       f"{FRAGMENTS} fragments, H = {SYNC_EVERY}, float32 outer average, "
       f"{report['steps']} steps a run.", "",
