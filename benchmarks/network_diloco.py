@@ -116,7 +116,7 @@ def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
 
 def table(report: dict) -> str:
   lines = [
-      "", "The probe: median seconds of a program (7 calls) on every process, at each rate.", "",
+      "", "The probe: process 0's median seconds of a program (7 calls), at each rate.", "",
       "| rate | matmuls alone | 13.2 MB pmean alone | both | both, the pmean under lax.cond |",
       "|---|---|---|---|---|",
   ]

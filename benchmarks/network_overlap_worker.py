@@ -29,13 +29,14 @@ def compute(x, w):
 
 
 def exchange(g):
-  return jax.lax.pmean(g, AXIS)
+  return jax.lax.pmean(g, AXIS)  # The same on every process: out_specs P(AXIS) still holds.
 
 
 def on_condition(x, g):
   """The exchange under ``lax.cond``, as DiLoCo's, on a predicate that is always true here
   and needs none of :func:`compute`."""
-  return jax.lax.cond(jnp.sum(x[0, :1]) > -1.0, lambda: exchange(g), lambda: g)
+  return jax.lax.cond(jnp.sum(x[0, :1]) > -1.0,
+                      lambda: jax.lax.pcast(exchange(g), AXIS, to="varying"), lambda: g)
 
 
 PROGRAMS = {
