@@ -118,7 +118,11 @@ def diloco(
     and stores the average. It does not depend on that step's forward and
     backward passes, so XLA is free to run the collective while they
     compute: in JAX that is how the communication overlaps
-    (``averaged_gradients`` holds the result);
+    (``averaged_gradients`` holds the result). Whether it does is the
+    backend's: XLA:CPU with gloo runs a collective beside independent
+    work at the top level of a program but not under ``jax.lax.cond``, as
+    this one is so that other steps send nothing; measured on real
+    processes, nothing is hidden there (``benchmarks/network_diloco.py``);
   * step :math:`s + \tau`: the outer step and the merge, with
     :math:`\theta_{m,p}` the local fragment as it is then (after
     :math:`\tau` more inner steps), as torchft merges at
