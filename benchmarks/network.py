@@ -70,7 +70,17 @@ freeze at a fifth of the run). Every mode trains the whole run at 1 Gbit/s a
 node: the training seconds until its smoothed training loss reaches the
 float32 run's final one, measured; at 10 Gbit/s and 100 Mbit/s short runs
 time each kind of step, and the seconds to that loss are derived from the
-1 Gbit/s run's steps.
+1 Gbit/s run's steps. The modes ``diloco`` and ``diloco_streaming``
+(``--lm-modes``) train DiLoCo, each process a worker, for twice the steps
+(``--lm-diloco-steps``), and are compared with their own free-link run
+(``--lm-rates unthrottled``), the floor.
+
+**Part 6, does DiLoCo's exchange overlap the computation?**
+(``network_diloco.py``, ``--parts diloco_overlap``): a probe of whether a gloo
+collective runs beside independent matmuls, at top level and under
+``lax.cond``, then Streaming DiLoCo on the language model with its exchange a
+step after its outer gradient (``fragment_delay=1``) against in the same step
+(0), free and at 100 Mbit/s.
 
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
@@ -79,7 +89,9 @@ predictions beside the measurements with what each refinement corrects.
 
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
 ``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
-for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone).
+for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone,
+``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone; ``--suffix`` for
+another name).
 
 Usage (as root)::
 
@@ -88,6 +100,9 @@ Usage (as root)::
   python benchmarks/network.py --processes 8 --parts collectives
   python benchmarks/network.py --processes 2 --parts lm_fsdp
   python benchmarks/network.py --parts lm        # Part 5: 2 processes, 23 minutes here
+  python benchmarks/network.py --parts lm --lm-modes fp32 bf16 diloco diloco_streaming \
+      --lm-rates unthrottled "100 Mbit/s" --suffix _lm_diloco   # DiLoCo: 26 minutes
+  python benchmarks/network.py --parts diloco_overlap           # Part 6: 7 minutes
 """
 
 import argparse

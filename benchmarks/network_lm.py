@@ -6,7 +6,11 @@ loopback (``network.py``), on ``configs/network.py``: a model whose float32
 gradient all-reduce is 0.21 s on the wire of its 0.48 s step at 1 Gbit/s a
 node, and most of its 2.3 s step at 100 Mbit/s.
 Five AdamW-family optimizers (:data:`MODES`) train it from the same seeds on
-the same batches.
+the same batches; ``diloco`` and ``diloco_streaming`` train DiLoCo on them, each
+process a worker (:data:`DILOCO_MODES`, run when ``--lm-modes`` names them),
+for ``--lm-diloco-steps`` (twice as many: its loss a step is worse), and are
+also compared with their own run on a free link (``--lm-rates unthrottled``,
+the floor), the issue's target.
 
 Every mode trains the whole run (``--lm-steps``) at ``--lm-rate`` (1 Gbit/s),
 every step logged. Its training loss smoothed over :data:`SMOOTHING` steps
@@ -50,6 +54,8 @@ MODES = {
                           "--config.fragment_delay=1"]),
 }
 DILOCO_MODES = tuple(mode for mode, (_, flags) in MODES.items() if "--optimizer=diloco" in flags)
+# Part 5's modes unless --lm-modes says: DiLoCo's (twice the steps) are asked for by name.
+DEFAULT_MODES = tuple(mode for mode in MODES if mode not in DILOCO_MODES)
 SYNC_EVERY = 20  # DiLoCo's H in MODES.
 QUICK_MODES = ("fp32", "onebit_adam")
 RATE = "1 Gbit/s"
@@ -78,7 +84,7 @@ TARGETS = (("onebit_adam", "fp32", RATE, 3.0), ("onebit_adam", "bf16", RATE, 1.5
 
 def add_arguments(parser) -> None:
   parser.add_argument("--lm-modes", nargs="+", choices=tuple(MODES), default=None,
-                      help=f"part lm's modes; default {tuple(MODES)}")
+                      help=f"part lm's modes; default {DEFAULT_MODES}")
   parser.add_argument("--lm-rate", default=RATE,
                       help="part lm's rate a node for the full runs, the loss curves")
   parser.add_argument("--lm-rates", nargs="*", default=None,
@@ -97,7 +103,7 @@ def add_arguments(parser) -> None:
 
 def resolve_arguments(args, rates: dict) -> None:
   """The defaults of the part's arguments, shorter with ``--quick``."""
-  args.lm_modes = tuple(args.lm_modes or (QUICK_MODES if args.quick else MODES))
+  args.lm_modes = tuple(args.lm_modes or (QUICK_MODES if args.quick else DEFAULT_MODES))
   if args.lm_rates is None:
     args.lm_rates = QUICK_OTHER_RATES if args.quick else OTHER_RATES
   args.lm_rates = tuple(rate for rate in args.lm_rates if rate != args.lm_rate)
