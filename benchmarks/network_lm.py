@@ -5,7 +5,7 @@ default: one a core here) of one CPU device each, over the namespace's shaped
 loopback (``network.py``), on ``configs/network.py``: a model whose float32
 gradient all-reduce is 0.21 s on the wire of its 0.48 s step at 1 Gbit/s a
 node, and most of its 2.3 s step at 100 Mbit/s.
-Five AdamW-family optimizers (:data:`MODES`) train it from the same seeds on
+Five AdamW-family optimizers (:data:`DEFAULT_MODES`) train it from the same seeds on
 the same batches; ``diloco`` and ``diloco_streaming`` train DiLoCo on them, each
 process a worker (:data:`DILOCO_MODES`, run when ``--lm-modes`` names them),
 for ``--lm-diloco-steps`` (twice as many: its loss a step is worse), and are
@@ -35,6 +35,7 @@ import statistics
 import sys
 
 CONFIG = "examples/lm/configs/network.py"
+SYNC_EVERY = 20  # DiLoCo's H in MODES.
 # name: (what travels, the example's flags).
 MODES = {
     "fp32": ("AdamW, float32 all-reduce", ["--optimizer=adamw", "--average=fp32"]),
@@ -45,18 +46,18 @@ MODES = {
                       ["--optimizer=zero_one_adam"]),
     "powersgd": ("AdamW, PowerSGD all-reduce (rank 4)",
                  ["--optimizer=adamw", "--average=powersgd"]),
-    "diloco": ("DiLoCo, a worker a process, H = 20, 4-bit QSGD outer gradients with error feedback",
-               ["--optimizer=diloco", "--average=fp32", "--config.sync_every=20",
+    "diloco": (f"DiLoCo, a worker a process, H = {SYNC_EVERY}, 4-bit QSGD outer gradients with"
+               " error feedback",
+               ["--optimizer=diloco", "--average=fp32", f"--config.sync_every={SYNC_EVERY}",
                 "--config.outer_average=qsgd4_ef"]),
     "diloco_streaming": ("Streaming DiLoCo as diloco, 2 fragments, each exchange a step in flight",
-                         ["--optimizer=diloco", "--average=fp32", "--config.sync_every=20",
-                          "--config.outer_average=qsgd4_ef", "--config.fragments=2",
-                          "--config.fragment_delay=1"]),
+                         ["--optimizer=diloco", "--average=fp32",
+                          f"--config.sync_every={SYNC_EVERY}", "--config.outer_average=qsgd4_ef",
+                          "--config.fragments=2", "--config.fragment_delay=1"]),
 }
 DILOCO_MODES = tuple(mode for mode, (_, flags) in MODES.items() if "--optimizer=diloco" in flags)
 # Part 5's modes unless --lm-modes says: DiLoCo's (twice the steps) are asked for by name.
 DEFAULT_MODES = tuple(mode for mode in MODES if mode not in DILOCO_MODES)
-SYNC_EVERY = 20  # DiLoCo's H in MODES.
 QUICK_MODES = ("fp32", "onebit_adam")
 RATE = "1 Gbit/s"
 OTHER_RATES = ("10 Gbit/s", "100 Mbit/s")
