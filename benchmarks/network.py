@@ -70,7 +70,17 @@ freeze at a fifth of the run). Every mode trains the whole run at 1 Gbit/s a
 node: the training seconds until its smoothed training loss reaches the
 float32 run's final one, measured; at 10 Gbit/s and 100 Mbit/s short runs
 time each kind of step, and the seconds to that loss are derived from the
-1 Gbit/s run's steps.
+1 Gbit/s run's steps. The modes ``diloco`` and ``diloco_streaming``
+(``--lm-modes``) train DiLoCo, each process a worker, for twice the steps
+(``--lm-diloco-steps``), and are compared with their own free-link run
+(``--lm-rates unthrottled``), the floor.
+
+**Part 6, does DiLoCo's exchange overlap the computation?**
+(``network_diloco.py``, ``--parts diloco_overlap``): a probe of whether a gloo
+collective runs beside independent matmuls, at top level and under
+``lax.cond``, then Streaming DiLoCo on the language model with its exchange a
+step after its outer gradient (``fragment_delay=1``) against in the same step
+(0), free and at 100 Mbit/s.
 
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
@@ -79,7 +89,9 @@ predictions beside the measurements with what each refinement corrects.
 
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
 ``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
-for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone).
+for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone,
+``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone; ``--suffix`` for
+another name).
 
 Usage (as root)::
 
@@ -88,6 +100,9 @@ Usage (as root)::
   python benchmarks/network.py --processes 8 --parts collectives
   python benchmarks/network.py --processes 2 --parts lm_fsdp
   python benchmarks/network.py --parts lm        # Part 5: 2 processes, 23 minutes here
+  python benchmarks/network.py --parts lm --lm-modes fp32 bf16 diloco diloco_streaming \
+      --lm-rates unthrottled "100 Mbit/s" --suffix _lm_diloco   # DiLoCo: 26 minutes
+  python benchmarks/network.py --parts diloco_overlap           # Part 6: 7 minutes
 """
 
 import argparse
@@ -114,12 +129,13 @@ _ROOT = _HERE.parent
 sys.path[:0] = [str(_ROOT), str(_HERE)]
 
 import cost_model  # noqa: E402
+import network_diloco  # noqa: E402
 import network_fsdp  # noqa: E402
 import network_lm  # noqa: E402
 import network_worker  # noqa: E402
 
 NAMESPACE = "qsgd_jax_network"
-PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm")
+PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm", "diloco_overlap")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
     "100 Mbit/s": 100e6,
@@ -672,11 +688,15 @@ def parse_args(argv=None):
                       help="seconds without a heartbeat after which a process counts as lost"
                            " and the others end (qsgd_jax.initialize_distributed)")
   parser.add_argument("--out", type=pathlib.Path, default=_HERE / "results")
+  parser.add_argument("--suffix", default=None,
+                      help="the results' names end network_{N}proc{SUFFIX}.json and .md (default"
+                           " from --quick and --parts, e.g. _lm for --parts lm)")
   parser.add_argument("--throughput-json", type=pathlib.Path, default=None,
                       help="compressor_throughput.py's output, for the cost model (default:"
                            " the one in --out for 4,194,304 elements, else 1,048,576)")
   network_fsdp.add_arguments(parser)
   network_lm.add_arguments(parser)
+  network_diloco.add_arguments(parser)
   args = parser.parse_args(argv)
   for rate in args.fsdp_rates or ():
     if rate not in RATES:
@@ -686,7 +706,11 @@ def parse_args(argv=None):
     network_lm.resolve_arguments(args, RATES)
   except ValueError as error:
     parser.error(str(error))
-  if args.parts == ["lm"]:  # The header and the files' names count the part's processes.
+  for rate in args.overlap_rates:
+    if rate not in RATES:
+      parser.error(f"--overlap-rates: {rate!r} is not one of {tuple(RATES)}")
+  if set(args.parts) <= {"lm", "diloco_overlap"}:  # The header and the files' names count
+    # the part's processes.
     args.processes = args.lm_processes
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
@@ -736,9 +760,11 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
-  suffix = (f"{args.processes}proc" + ("_quick" if args.quick else "")
-            + ("_hugetlb" if _hugetlb() else "")
-            + (f"_{args.parts[0]}" if args.parts in (["lm_fsdp"], ["lm"]) else ""))
+  alone = args.parts in (["lm_fsdp"], ["lm"], ["diloco_overlap"])  # A part run by itself.
+  suffix = f"{args.processes}proc" + (("_quick" if args.quick else "")
+                                      + ("_hugetlb" if _hugetlb() else "")
+                                      + (f"_{args.parts[0]}" if alone else "")
+                                      if args.suffix is None else args.suffix)
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
   sections = [_header(args, argv, denied)]
@@ -783,6 +809,14 @@ def main(argv=None) -> None:
       sections.append(_section(
           "Part 5: the language model, data-parallel, to float32's final loss",
           network_lm.table(report["lm"], args.lm_processes)))
+    if "diloco_overlap" in args.parts:
+      _log(f"Part 6: DiLoCo's exchange with delays {network_diloco.DELAYS} at"
+           f" {args.overlap_rates}")
+      report["diloco_overlap"] = network_diloco.run(
+          launcher.with_processes(args.lm_processes), args, work, RATES, _log)
+      sections.append(_section(
+          "Part 6: does DiLoCo's exchange overlap the computation?",
+          network_diloco.table(report["diloco_overlap"])))
   if namespace is not None and namespace.exists():
     raise RuntimeError(f"network namespace {namespace.name} still exists after the run")
   if "cost_model" in args.parts and "collectives" in report:

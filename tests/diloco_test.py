@@ -3,6 +3,7 @@
 import chex
 import diloco_reference as reference
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -459,3 +460,44 @@ def test_partition_specs_and_resize():
   np.testing.assert_array_equal(mu, np.zeros_like(mu))  # Worker 0's (it added 0).
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x[:4], saved.global_params),
                               resized.global_params)
+
+
+def _conds_holding_a_collective(jaxpr):
+  """For each ``cond`` of ``jaxpr`` with a ``psum`` in a branch: the indices of the invars it
+  depends on, through every equation before it."""
+
+  def inner(params):
+    for value in params.values():
+      for x in value if isinstance(value, tuple | list) else (value,):
+        if isinstance(x, jax.extend.core.ClosedJaxpr):
+          yield x.jaxpr
+
+  def holds(jaxpr):
+    return any(e.primitive.name == "psum" or any(holds(j) for j in inner(e.params))
+               for e in jaxpr.eqns)
+
+  depends = {v: {i} for i, v in enumerate(jaxpr.invars)}
+  found = []
+  for eqn in jaxpr.eqns:
+    on = set().union(*(depends.get(v, set()) for v in eqn.invars
+                       if isinstance(v, jax.extend.core.Var)))
+    depends.update({v: on for v in eqn.outvars})
+    if eqn.primitive.name == "cond" and holds(eqn.params["branches"][1].jaxpr):
+      found.append(on)
+  return found
+
+
+def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
+  # With delay >= 1 the exchange sends the outer gradient held in the state: under jit it
+  # depends on neither the gradients nor the params, so XLA may run it during the forward and
+  # backward passes (benchmarks/network_diloco.py measures whether it does).
+  params = _params()
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=4, fragments=2, delay=1)
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, params))
+  grads = jax.tree.map(jnp.ones_like, params)
+  jaxpr = jax.make_jaxpr(tx.update, axis_env=[(AXIS, WORKERS)])(grads, state, params).jaxpr
+  num_grads, num_state = len(jax.tree.leaves(grads)), len(jax.tree.leaves(state))
+  exchanges = _conds_holding_a_collective(jaxpr)
+  assert len(exchanges) == 2  # One a fragment.
+  for inputs in exchanges:
+    assert min(inputs) >= num_grads and max(inputs) < num_grads + num_state

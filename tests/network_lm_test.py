@@ -100,3 +100,31 @@ def test_summary_measures_at_the_full_rate_and_derives_at_the_others():
   assert derived["speedup_vs_fp32"] == pytest.approx(76.0 / 46.0)
   assert derived["speedup_vs_bf16"] is None
   assert "| 100 Mbit/s | onebit_adam |" in network_lm.table(report, 2)
+
+
+def test_diloco_runs_longer_and_is_compared_with_the_free_link_floor():
+  steps = 20
+  fp32 = _records([3.0 - 0.1 * i for i in range(steps)], [_FLOAT32] * steps, [1.0] * steps)
+  # DiLoCo: half the loss's fall a step, trained twice as long; a sync every 5th step.
+  sent = [_ONE_BIT if (i + 1) % 5 == 0 else 0.0 for i in range(2 * steps)]
+  diloco = _records([3.0 - 0.05 * i for i in range(2 * steps)], sent, [0.5] * (2 * steps))
+  free = {"fp32": _run(_records([1.0] * 6, [_FLOAT32] * 6, [0.5] * 6)),
+          "diloco": _run(_records([1.0] * 10, sent[:10], [0.25] * 10))}
+  report = network_lm.summarize(
+      {"1 Gbit/s": {"fp32": _run(fp32), "diloco": _run(diloco)}, "unthrottled": free},
+      "1 Gbit/s", steps)
+  entry = report["modes"]["diloco"]
+  assert entry["steps"] == 2 * steps
+  assert entry["smoothed_train_loss_at_fp32_steps"] == pytest.approx(3.0 - 0.05 * 14.5)
+  assert entry["final_smoothed_train_loss"] == pytest.approx(3.0 - 0.05 * 34.5)
+  # fp32's final smoothed loss is 3.0 - 0.1 * 14.5 = 1.55; DiLoCo's at step 35 3.0 - 0.05 * 29.5.
+  assert entry["step_to_target"] == 35
+  measured = entry["rates"]["1 Gbit/s"]
+  assert measured["seconds_per_step"] == pytest.approx(0.5)  # The mean: its steps differ by round.
+  assert measured["seconds_to_target"] == pytest.approx(34 * 0.5)
+  assert measured["over_free_link"] == pytest.approx(2.0)
+  assert measured["over_fp32_free_link"] == pytest.approx(17.0 / (19 * 0.5))
+  rows = {(row["baseline"], row["rate"]): row for row in report["targets"]}
+  assert not rows[("unthrottled", "1 Gbit/s")]["met"]  # 2x the floor, not 1.15x.
+  assert rows[("fp32", "1 Gbit/s")]["ratio"] == pytest.approx(19.0 / 17.0)
+  assert "| diloco | unthrottled | 0.000 | 0.250 |" in network_lm.table(report, 2)

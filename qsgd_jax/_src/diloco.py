@@ -118,7 +118,11 @@ def diloco(
     and stores the average. It does not depend on that step's forward and
     backward passes, so XLA is free to run the collective while they
     compute: in JAX that is how the communication overlaps
-    (``averaged_gradients`` holds the result);
+    (``averaged_gradients`` holds the result). Whether it does is the
+    backend's: XLA:CPU with gloo runs a collective beside independent
+    work at the top level of a program but not under ``jax.lax.cond``, as
+    this one is so that other steps send nothing; measured on real
+    processes, nothing is hidden there (``benchmarks/network_diloco.py``);
   * step :math:`s + \tau`: the outer step and the merge, with
     :math:`\theta_{m,p}` the local fragment as it is then (after
     :math:`\tau` more inner steps), as torchft merges at
@@ -339,16 +343,21 @@ def diloco(
         result, average_states[p], bits = _cond(at(0), sync, no_sync)
         merged(result)
       else:
-        outer_gradients[p] = _cond(at(0), lambda delta=delta: tuple(d[None] for d in delta),
-                                   lambda p=p: outer_gradients[p])
+        # The exchange sends the outer gradient the state holds, not this step's store below
+        # (a step never both stores and sends a fragment's: at(0) and at(1) exclude each
+        # other, as delay >= 1 needs H >= 2): so the collective waits for nothing this step
+        # computes, and XLA may run it while the forward and backward passes do.
+        held = outer_gradients[p]
 
-        def send(p=p):
-          return exchange(tuple(d[0] for d in outer_gradients[p]), average_states[p])
+        def send(p=p, held=held):
+          return exchange(tuple(d[0] for d in held), average_states[p])
 
         def hold(p=p):
           return (averaged_gradients[p], average_states[p], (jnp.float32(0), jnp.float32(0)))
 
         averaged_gradients[p], average_states[p], bits = _cond(at(1), send, hold)
+        outer_gradients[p] = _cond(at(0), lambda delta=delta: tuple(d[None] for d in delta),
+                                   lambda held=held: held)
         merged(_cond(at(delay), lambda p=p, outer_step=outer_step: outer_step(
             averaged_gradients[p]), skip_merge))
       wire_bits += bits[0]
