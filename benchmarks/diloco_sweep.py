@@ -33,31 +33,17 @@ link: in a deployment where the workers are nodes joined by a slow network,
 each device's bytes in either case cross it.
 """
 
+import argparse
 import json
 import pathlib
 import sys
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
 from examples.lm import compare, devices  # noqa: E402
-
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Directory for the runs, one a mode.")
-flags.DEFINE_bool("reuse_runs", False, "Read a run's DIR/<mode>/summary.json if it exists.")
-flags.DEFINE_string("results", str(_ROOT / "benchmarks" / "results" / "lm_diloco"),
-                    "Write PREFIX.json and PREFIX.md.")
-flags.DEFINE_string("lm_comparison", str(_ROOT / "benchmarks" / "results" / "lm_comparison.json"),
-                    "Where the bf16 data-parallel run of 300 steps is read from (compare.py's "
-                    "comparison of the same config), if the sweep has none of its own.")
-config_flags.DEFINE_config_file(
-    "config", str(_ROOT / "examples" / "lm" / "configs" / "small.py"),
-    "Configuration every run starts from.", lock_config=False)
-flags.mark_flags_as_required(["workdir"])
+from examples.lm.configs import small  # noqa: E402
 
 DILOCO = "diloco+fp32"  # 2 workers, H = 20, 4-bit outer gradients, outer SGD at lr 1.
 LONG = "+num_train_steps=1200+warmup_steps=120"  # The warm-up a tenth of the steps, as in 300.
@@ -98,18 +84,18 @@ def configured(mode: str):
   """The sweep's config with ``mode`` applied (compare.py's rules)."""
   from examples.lm import train
 
-  config = FLAGS.config.copy_and_resolve_references()
+  config = small.get_config()
   compare.apply_mode(config, mode, tuple(train.OPTIMIZERS), train.AVERAGES)
   config.checkpoint_every_steps = 0
   return config
 
 
-def summary_of(mode: str, workdir: pathlib.Path) -> dict:
+def summary_of(mode: str, workdir: pathlib.Path, reuse_runs: bool) -> dict:
   """The run's summary: read with ``--reuse_runs`` if it is there, else trained now."""
   from examples.lm import train
 
   path = workdir / mode / "summary.json"
-  if FLAGS.reuse_runs and path.exists():
+  if reuse_runs and path.exists():
     summary = json.loads(path.read_text())
   else:
     summary = train.train_and_evaluate(configured(mode), str(workdir / mode))
@@ -131,7 +117,7 @@ def bf16_from_comparison(path: pathlib.Path) -> dict | None:
   if not path.exists():
     return None
   comparison = json.loads(path.read_text())
-  ours = FLAGS.config.to_dict()
+  ours = small.get_config().to_dict()
   theirs = comparison["config"]
   if any(ours[k] != theirs[k] for k in theirs.keys() & ours.keys() - MODE_FIELDS):
     return None
@@ -195,15 +181,24 @@ def table(runs: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("Too many command-line arguments.")
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", type=pathlib.Path, required=True,
+                      help="directory for the runs, one a mode")
+  parser.add_argument("--reuse_runs", action="store_true",
+                      help="read a run's DIR/<mode>/summary.json if it exists")
+  parser.add_argument("--results", type=pathlib.Path,
+                      default=_ROOT / "benchmarks" / "results" / "lm_diloco",
+                      help="write PREFIX.json and PREFIX.md")
+  parser.add_argument("--lm_comparison", type=pathlib.Path,
+                      default=_ROOT / "benchmarks" / "results" / "lm_comparison.json",
+                      help="where the bf16 data-parallel run of 300 steps is read from "
+                      "(compare.py's comparison of the same config) if the sweep has none")
+  args = parser.parse_args(argv)
   devices.simulate_cpu_devices()
   import jax  # After the device flags.
 
-  workdir = pathlib.Path(FLAGS.workdir)
+  workdir = args.workdir
   for _, mode in RUNS:  # Every mode checked before the first run.
     configured(mode)
   start = time.perf_counter()
@@ -212,22 +207,23 @@ def main(argv):
     config = configured(mode)
     runs.append({"group": group, "mode": mode,
                  "settings": {"optimizer": config.optimizer} | {k: config[k] for k in SETTINGS},
-                 **summary_of(mode, workdir)})
+                 **summary_of(mode, workdir, args.reuse_runs)})
   bf16 = None
   if not any(r["mode"].split("+")[0] == "bf16" for r in runs):
-    bf16 = bf16_from_comparison(pathlib.Path(FLAGS.lm_comparison))
+    bf16 = bf16_from_comparison(args.lm_comparison)
     if bf16 is not None:
       runs.insert(1, {"group": "data parallel", "mode": "bf16",
                       "settings": {"optimizer": "adamw"} | {
-                          k: FLAGS.config[k] for k in SETTINGS} | {"average": "bf16"},
+                          k: small.get_config()[k] for k in SETTINGS} | {"average": "bf16"},
                       **{k: v for k, v in bf16.items() if not k.startswith("eval_loss_minus")}})
   runs = rows(runs)
   wall = time.perf_counter() - start
-  config = FLAGS.config
+  trained = sum(r["train_seconds"] + r["compile_seconds"] for r in runs)
+  config = small.get_config()
   command = "python benchmarks/diloco_sweep.py --workdir=runs/diloco_sweep"
   header = (
-      f"`{command}` ({wall / 60:.0f} minutes here"
-      + (", reading earlier runs" if FLAGS.reuse_runs else "") + "): "
+      f"`{command}` (the runs trained and compiled for {trained / 60:.0f} minutes in all on a "
+      "shared 2-core machine): "
       f"`examples/lm/configs/small.py`, {config.num_layers} layers of width {config.width} "
       f"({runs[0]['num_params']:,} parameters), batch {config.batch_size} x "
       f"{config.context_length} bytes, AdamW (peak learning rate {config.learning_rate:g} "
@@ -243,15 +239,16 @@ def main(argv):
       + ". Bytes/step: what one device sends on average over the run; for DiLoCo, across "
       "workers (each device of a worker sends its share of the outer exchange, nothing between "
       "syncs), for DP, its part of the all-reduce over all devices every step.\n\n")
-  prefix = pathlib.Path(FLAGS.results)
+  prefix = args.results
   prefix.parent.mkdir(parents=True, exist_ok=True)
   prefix.with_suffix(".md").write_text(header + table(runs))
   prefix.with_suffix(".json").write_text(json.dumps(
       {"command": command, "config": config.to_dict(), "wall_seconds": wall,
-       "bf16_from": FLAGS.lm_comparison if bf16 is not None else None, "runs": runs},
+       "bf16_from": args.lm_comparison.name if bf16 is not None else None, "runs": runs},
       indent=2) + "\n")
   print(header + table(runs))
+  return 0
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.exit(main())
