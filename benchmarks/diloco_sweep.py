@@ -62,6 +62,7 @@ RUNS = (
     ("seed", DILOCO + "+seed=1"),
     ("seed", DILOCO + "+outer_momentum=0.5+seed=1"),
     ("steps", DILOCO + LONG),
+    ("steps", DILOCO + "+learning_rate=0.01" + LONG),
     ("workers", DILOCO + "+diloco_workers=4"),
     ("workers", DILOCO + "+diloco_workers=8"),
     *(("sync every", f"{DILOCO}+sync_every={every}") for every in (1, 5, 10, 50, 100)),
