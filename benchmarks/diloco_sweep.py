@@ -19,7 +19,9 @@ schedule are float32 data parallel's.
 
 Writes ``PREFIX.json`` (each run's settings and summary, its held-out loss
 minus float32 and bfloat16 data parallel's at the same number of steps, its
-bytes a step and their ratios, the most one step sent: ``peak_wire_bytes_per_step``) and
+bytes a step and their ratios, the most one step sent: ``peak_wire_bytes_per_step``, its
+held-out losses ``eval_curve`` and the step at which fp32 DP's curve reaches its final loss
+``fp32_steps_to_this_loss``) and
 ``PREFIX.md`` (the table).
 
 Bytes are what one device sends a step, on average over the run. For DiLoCo,
@@ -34,6 +36,7 @@ each device's bytes in either case cross it.
 """
 
 import argparse
+import itertools
 import json
 import pathlib
 import sys
@@ -103,7 +106,18 @@ def summary_of(mode: str, workdir: pathlib.Path, reuse_runs: bool) -> dict:
   records = [json.loads(line) for line in (workdir / mode / "metrics.jsonl").open()]
   sent = [r["wire_bytes"] for r in records if r.get("wire_bytes") is not None]
   # The most a step sent: a whole model's exchange, or with fragments, the largest one's.
-  return summary | {"peak_wire_bytes_per_step": max(sent, default=None)}
+  return summary | {"peak_wire_bytes_per_step": max(sent, default=None),
+                    "eval_curve": [[r["step"], r["eval_loss"]] for r in records
+                                   if "eval_loss" in r]}
+
+
+def steps_to(curve: list[list[float]], loss: float) -> float | None:
+  """The step at which a held-out loss ``curve`` first reaches ``loss`` (linear between its
+  evaluations), or ``None`` if it never does (or does at its first)."""
+  for (step, before), (next_step, after) in itertools.pairwise(curve):
+    if before > loss >= after:
+      return step + (next_step - step) * (before - loss) / (before - after)
+  return None
 
 
 def bytes_per_step(summary: dict) -> float:
@@ -137,6 +151,9 @@ def rows(runs: list[dict]) -> list[dict]:
       baseline = baselines.get((name, run["steps"], run["settings"]["seed"]))
       row[f"eval_loss_minus_{name}"] = (None if baseline is None
                                         else run["eval_loss"] - baseline["eval_loss"])
+      if name == "fp32":  # How many of fp32 DP's steps this run's final loss is worth.
+        row["fp32_steps_to_this_loss"] = (None if baseline is None or not baseline.get(
+            "eval_curve") else steps_to(baseline["eval_curve"], run["eval_loss"]))
       dp_bytes = next((b["wire_bytes_per_step"] for (kind, *_), b in baselines.items()
                        if kind == name), None)
       row[f"{name}_bytes_over_bytes"] = None if dp_bytes is None else dp_bytes / row[
