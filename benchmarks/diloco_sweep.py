@@ -65,6 +65,7 @@ RUNS = (
     ("seed", DILOCO + "+seed=1"),
     ("seed", DILOCO + "+outer_momentum=0.5+seed=1"),
     ("steps", DILOCO + LONG),
+    ("steps", DILOCO + "+outer_learning_rate=0.7+outer_momentum=0.9" + LONG),
     ("steps", DILOCO + "+learning_rate=0.01" + LONG),
     ("workers", DILOCO + "+diloco_workers=4"),
     ("workers", DILOCO + "+diloco_workers=8"),
@@ -73,6 +74,7 @@ RUNS = (
                                                                               "onebit")),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=1"),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=5"),
+    ("streaming", DILOCO + "+fragments=2+fragment_delay=5+fragment_alpha=0.5"),
     ("streaming", DILOCO + "+fragments=3+fragment_delay=2"),
 )
 DATA_PARALLEL = ("fp32", "bf16")
@@ -185,6 +187,7 @@ def table(runs: list[dict]) -> str:
     settings = run["settings"]
     diloco = settings["optimizer"] == "diloco"
     streaming = (f", {settings['fragments']} fragments, delay {settings['fragment_delay']}"
+                 + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
                  if diloco and settings["fragments"] > 1 else "")
     ratios = " / ".join("-" if run[f"{b}_bytes_over_bytes"] is None
                         else f"{run[f'{b}_bytes_over_bytes']:,.1f}x" for b in DATA_PARALLEL)
