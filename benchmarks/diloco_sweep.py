@@ -25,11 +25,13 @@ held-out losses ``eval_curve`` and the step at which fp32 DP's curve reaches its
 ``PREFIX.md`` (the table).
 
 Bytes are what one device sends a step, on average over the run. For DiLoCo,
-what crosses between workers: every device of a worker sends its share of the
-outer exchange (``qsgd_jax.compression_stats`` of its state, zero on a step
-without a sync: the summary's ``mean_wire_bytes_per_step``); the float32
-average inside a worker, every step over the fast links, is reported apart
-(``mean_inner_wire_bytes_per_step``). For data parallel, every device's part
+what crosses between workers: every device of a worker exchanges the whole
+outer gradient with its counterparts in the other workers
+(``qsgd_jax.compression_stats`` of its state, zero on a step without a sync:
+the summary's ``mean_wire_bytes_per_step``), as its worker's other devices do
+(splitting the exchange over them would send that many times fewer); the
+float32 average inside a worker, every step over the fast links, is reported
+apart (``mean_inner_wire_bytes_per_step``). For data parallel, every device's part
 of the all-reduce over all 8 devices every step. Both count the same kind of
 link: in a deployment where the workers are nodes joined by a slow network,
 each device's bytes in either case cross it.
@@ -56,15 +58,18 @@ RUNS = (
     ("data parallel", "fp32+seed=1"),
     ("data parallel", "fp32" + LONG),
     ("outer optimizer", DILOCO),
+    ("outer optimizer", DILOCO + "+outer_learning_rate=0.8"),
     ("outer optimizer", DILOCO + "+outer_learning_rate=1.4"),
     ("outer optimizer", DILOCO + "+outer_momentum=0.5"),
     ("outer optimizer", DILOCO + "+outer_momentum=0.7"),
     ("outer optimizer", DILOCO + "+outer_learning_rate=0.7+outer_momentum=0.9"),
+    ("inner learning rate", DILOCO + "+learning_rate=0.004"),
     ("inner learning rate", DILOCO + "+learning_rate=0.01"),
     ("inner learning rate", DILOCO + "+outer_momentum=0.5+learning_rate=0.01"),
     ("seed", DILOCO + "+seed=1"),
     ("seed", DILOCO + "+outer_momentum=0.5+seed=1"),
     ("steps", DILOCO + LONG),
+    ("steps", DILOCO + "+outer_momentum=0.5" + LONG),
     ("steps", DILOCO + "+outer_learning_rate=0.7+outer_momentum=0.9" + LONG),
     ("steps", DILOCO + "+learning_rate=0.01" + LONG),
     ("workers", DILOCO + "+diloco_workers=4"),
@@ -258,8 +263,8 @@ def main(argv=None) -> int:
       "end, against float32 and bfloat16 data parallel (DP) trained as long"
       + (" (bf16 DP: `lm_comparison.json`'s run of 300 steps)" if bf16 is not None else "")
       + ". Bytes/step: what one device sends on average over the run; for DiLoCo, across "
-      "workers (each device of a worker sends its share of the outer exchange, nothing between "
-      "syncs), for DP, its part of the all-reduce over all devices every step.\n\n")
+      "workers (each device of a worker exchanges the whole outer gradient at a sync, nothing "
+      "between syncs), for DP, its part of the all-reduce over all devices every step.\n\n")
   prefix = args.results
   prefix.parent.mkdir(parents=True, exist_ok=True)
   prefix.with_suffix(".md").write_text(header + table(runs))

@@ -184,6 +184,10 @@ def lm_table(results: pathlib.Path = RESULTS) -> str:
   return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def _times(ratio: float) -> str:
+  return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
 def diloco_table(results: pathlib.Path = RESULTS) -> str:
   """The language model's DiLoCo table (examples/lm/README.md, the guides), or ``""``.
 
@@ -214,12 +218,14 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
       name = "DiLoCo" + (f", inner lr {settings['learning_rate']:g}"
                          if settings["learning_rate"] != sweep["config"]["learning_rate"] else "")
     else:
-      cells = ["-", "1", "-", "-"]
+      cells = ["-", "-", "-", "-"]
       name = f"{settings['average']} data parallel"
+    if settings["seed"] != sweep["config"]["seed"]:
+      name += f", seed {settings['seed']}"
     differences = " / ".join("-" if run[f"eval_loss_minus_{b}"] is None
                              else f"{run[f'eval_loss_minus_{b}']:+.3f}" for b in BASELINES)
     ratios = " / ".join("-" if run[f"{b}_bytes_over_bytes"] is None
-                        else f"{run[f'{b}_bytes_over_bytes']:,.0f}x" for b in BASELINES)
+                        else _times(run[f"{b}_bytes_over_bytes"]) for b in BASELINES)
     lines.append(f"| {name} | " + " | ".join(cells) + f" | {run['steps']} "
                  f"| {run['eval_loss']:.3f} ({differences}) "
                  f"| {run['bytes_per_step'] / 1e3:,.1f} kB ({ratios}) |")
@@ -227,9 +233,10 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
   note = (
       f"`examples/lm/configs/small.py` ({some['num_params']:,} parameters, batch"
       f" {sweep['config']['batch_size']} x {sweep['config']['context_length']} bytes),"
-      f" {some['num_devices']} simulated devices, one seed: `python benchmarks/diloco_sweep.py`."
+      f" {some['num_devices']} simulated devices, seed 0 unless the run says:"
+      " `python benchmarks/diloco_sweep.py`."
       " DiLoCo's devices form the workers, float32 averaging inside each every step; its bytes"
-      " are those that cross between workers (each device's share of the outer exchange, none"
+      " are those that cross between workers (each device's exchange of the outer gradient, none"
       " between syncs), data parallel's (DP) a device's part of the all-reduce over all"
       " devices every step. Held-out loss in nats a byte, against DP trained as many steps.")
   return "\n".join(lines) + "\n\n" + note + "\n"

@@ -119,8 +119,8 @@ def table(runs: list[dict]) -> str:
   (:func:`qsgd_jax.compression_stats`; after a compressed Adam's freeze, its
   1-bit step), else the compiled step's HLO bytes (which count both branches
   of a compressed Adam's switch). For DiLoCo it is the mean over the run of
-  what a device sends across workers (its share of each outer exchange, zero
-  between syncs; the average inside a worker is left out), against data
+  what a device sends across workers (its exchange of the outer gradient at
+  each sync, zero between; the average inside a worker is left out), against data
   parallel's all-reduce over every device every step. "vs fp32 bytes" is the
   fp32 run's bytes a step over the row's, or without an fp32 run, a float32
   all-reduce of the gradients over the row's. A compressed Adam's mode says
@@ -230,8 +230,8 @@ def main(argv):
       "and every collective of the compiled step (HLO: the metrics' means included, and both "
       "branches of a compressed Adam's switch); \"vs fp32 bytes\" compares the former."
       + (" DiLoCo's bytes/step: the mean over the run of what a device sends across workers "
-         "(its share of each outer exchange, nothing between syncs; its worker's own average "
-         "every step left out), against data parallel's all-reduce over all devices."
+         "(its exchange of the outer gradient at each sync, nothing between; its worker's own "
+         "average every step left out), against data parallel's all-reduce over all devices."
          if any(run.get("optimizer") == "diloco" for run in runs) else "")
       + "\n\n"
   )
