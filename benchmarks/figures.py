@@ -31,8 +31,14 @@ left out):
   bytes a step before and after the compressed Adams' freeze,
   ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
 
-Writes ``benchmarks/results/headline.md`` and ``headline_lm.md``, the tables
-between their markers in ``README.md``, and ``benchmarks/results/figures/*.png``.
+* ``lm_diloco.json`` (``python benchmarks/diloco_sweep.py``): the DiLoCo table,
+  ``headline_diloco.md`` and ``examples/lm/README.md``'s: each run's ``settings``,
+  ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``bytes_per_step`` and
+  ``fp32_bytes_over_bytes`` and ``bf16_``.
+
+Writes ``benchmarks/results/headline.md``, ``headline_lm.md`` and
+``headline_diloco.md``, the tables between their markers in ``README.md`` and
+``examples/lm/README.md``, and ``benchmarks/results/figures/*.png``.
 """
 
 import argparse
@@ -49,6 +55,10 @@ END = "<!-- End of the headline table. -->"
 LM_BEGIN = ("<!-- The language-model table: made by python benchmarks/figures.py from"
             " benchmarks/results. -->")
 LM_END = "<!-- End of the language-model table. -->"
+LM_README = _HERE.parent / "examples" / "lm" / "README.md"
+DILOCO_BEGIN = ("<!-- The DiLoCo table: made by python benchmarks/figures.py from"
+                " benchmarks/results. -->")
+DILOCO_END = "<!-- End of the DiLoCo table. -->"
 HEADLINE_RATES = ("100 Mbit/s", "1 Gbit/s")
 TREE = "resnet50"
 BASELINES = ("fp32", "bf16")
@@ -171,6 +181,64 @@ def lm_table(results: pathlib.Path = RESULTS) -> str:
       f" gradient clipped at {config['grad_clip_norm']:g} before the compressed Adams (the"
       f" average's before AdamW), {some['num_devices']} simulated devices; held-out loss in nats"
       " a byte, one seed. A compressed Adam's bytes are those of its steps after the freeze.")
+  return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def _times(ratio: float) -> str:
+  return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def diloco_table(results: pathlib.Path = RESULTS) -> str:
+  """The language model's DiLoCo table (examples/lm/README.md, the guides), or ``""``.
+
+  From ``lm_diloco.json`` (``benchmarks/diloco_sweep.py``): a row a run, its
+  held-out loss against float32 and bfloat16 data parallel's of as many steps,
+  and the bytes a device sends a step on average over the run (DiLoCo's across
+  workers) against theirs.
+  """
+  sweep = _load(results / "lm_diloco.json")
+  if sweep is None:
+    return ""
+  lines = ["| run | workers | H | outer average | outer optimizer | steps "
+           "| held-out loss (vs fp32 / bf16 DP) | bytes a device sends a step (fewer than "
+           "fp32 / bf16 DP) |", "|---" * 8 + "|"]
+  for run in sweep["runs"]:
+    settings = run["settings"]
+    diloco = settings["optimizer"] == "diloco"
+    if diloco:
+      momentum = settings["outer_momentum"]
+      outer = ("SGD" if not momentum else f"Nesterov {momentum:g}"
+               if settings["outer_nesterov"] else f"momentum {momentum:g}")
+      outer += f", lr {settings['outer_learning_rate']:g}"
+      every = str(settings["sync_every"]) + (
+          f" ({settings['fragments']} fragments, delay {settings['fragment_delay']}"
+          + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
+          + ")" if settings["fragments"] > 1 else "")
+      cells = [str(settings["diloco_workers"]), every, settings["outer_average"], outer]
+      name = "DiLoCo" + (f", inner lr {settings['learning_rate']:g}"
+                         if settings["learning_rate"] != sweep["config"]["learning_rate"] else "")
+    else:
+      cells = ["-", "-", "-", "-"]
+      name = f"{settings['average']} data parallel"
+    if settings["seed"] != sweep["config"]["seed"]:
+      name += f", seed {settings['seed']}"
+    differences = " / ".join("-" if run[f"eval_loss_minus_{b}"] is None
+                             else f"{run[f'eval_loss_minus_{b}']:+.3f}" for b in BASELINES)
+    ratios = " / ".join("-" if run[f"{b}_bytes_over_bytes"] is None
+                        else _times(run[f"{b}_bytes_over_bytes"]) for b in BASELINES)
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {run['steps']} "
+                 f"| {run['eval_loss']:.3f} ({differences}) "
+                 f"| {run['bytes_per_step'] / 1e3:,.1f} kB ({ratios}) |")
+  some = sweep["runs"][0]
+  note = (
+      f"`examples/lm/configs/small.py` ({some['num_params']:,} parameters, batch"
+      f" {sweep['config']['batch_size']} x {sweep['config']['context_length']} bytes),"
+      f" {some['num_devices']} simulated devices, seed 0 unless the run says:"
+      " `python benchmarks/diloco_sweep.py`."
+      " DiLoCo's devices form the workers, float32 averaging inside each every step; its bytes"
+      " are those that cross between workers (each device's exchange of the outer gradient, none"
+      " between syncs), data parallel's (DP) a device's part of the all-reduce over all"
+      " devices every step. Held-out loss in nats a byte, against DP trained as many steps.")
   return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -350,21 +418,30 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
   parser.add_argument("--readme", type=pathlib.Path, default=README)
+  parser.add_argument("--lm_readme", type=pathlib.Path, default=LM_README,
+                      help="examples/lm/README.md: its DiLoCo table")
   parser.add_argument("--check", action="store_true",
                       help="only compare README.md's table with the results files")
   args = parser.parse_args(argv)
   readme = args.readme.read_text()
   if args.check:
-    if readme_with_tables(readme, args.results) != readme:
-      print(f"{args.readme}'s tables are not what {args.results} says: run"
-            " python benchmarks/figures.py", file=sys.stderr)
-      return 1
+    lm_readme = args.lm_readme.read_text()
+    for path, stale in ((args.readme, readme_with_tables(readme, args.results) != readme),
+                        (args.lm_readme, readme_with(diloco_table(args.results), lm_readme,
+                                                     DILOCO_BEGIN, DILOCO_END) != lm_readme)):
+      if stale:
+        print(f"{path}'s tables are not what {args.results} says: run"
+              " python benchmarks/figures.py", file=sys.stderr)
+        return 1
     return 0
   table, lm = headline_table(args.results), lm_table(args.results)
   (args.results / "headline.md").write_text(table)
   (args.results / "headline_lm.md").write_text(lm)
   (args.results / "network_lm_table.md").write_text(network_lm_table(args.results))
+  (args.results / "headline_diloco.md").write_text(diloco_table(args.results))
   args.readme.write_text(readme_with_tables(readme, args.results))
+  args.lm_readme.write_text(readme_with(diloco_table(args.results), args.lm_readme.read_text(),
+                                        DILOCO_BEGIN, DILOCO_END))
   print(table + "\n" + lm)
   for plot in PLOTS:
     path = plot(args.results, args.results / "figures")

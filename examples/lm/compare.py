@@ -94,9 +94,22 @@ def _summary(run_dir: pathlib.Path) -> dict | None:
 
 
 def bytes_per_step(run: dict) -> float:
-  """What one device sent in the run's last step: the optimizer's account, else the HLO's."""
+  """What one device sends a step by the optimizer's account, else the HLO's: DiLoCo's mean
+  over the run (across workers, nothing between syncs), any other's in the last step."""
+  if run.get("optimizer") == "diloco":
+    return run["mean_wire_bytes_per_step"]
   wire = run["wire_bytes_per_step"]
   return run["hlo_wire_bytes_per_step"] if wire is None else wire
+
+
+def _mode_note(run: dict) -> str:
+  """What the mode's cell adds: where a compressed Adam froze, DiLoCo's workers."""
+  froze = run.get("freeze_step")
+  if froze is not None:
+    return f" (froze at {froze})"
+  if run.get("optimizer") == "diloco":
+    return f" ({run['diloco_workers']} workers, mean across them)"
+  return ""
 
 
 def table(runs: list[dict]) -> str:
@@ -105,9 +118,13 @@ def table(runs: list[dict]) -> str:
   "bytes/step" is what the last step sent by the optimizer's own account
   (:func:`qsgd_jax.compression_stats`; after a compressed Adam's freeze, its
   1-bit step), else the compiled step's HLO bytes (which count both branches
-  of a compressed Adam's switch). "vs fp32 bytes" is the fp32 run's bytes a
-  step over the row's, or without an fp32 run, a float32 all-reduce of the
-  gradients over the row's. A compressed Adam's mode says where it froze.
+  of a compressed Adam's switch). For DiLoCo it is the mean over the run of
+  what a device sends across workers (its exchange of the outer gradient at
+  each sync, zero between; the average inside a worker is left out), against data
+  parallel's all-reduce over every device every step. "vs fp32 bytes" is the
+  fp32 run's bytes a step over the row's, or without an fp32 run, a float32
+  all-reduce of the gradients over the row's. A compressed Adam's mode says
+  where it froze; DiLoCo's, its number of workers.
   """
   rows = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
   fp32 = baselines(runs).get("fp32")
@@ -115,8 +132,7 @@ def table(runs: list[dict]) -> str:
     fp32_bytes = (bytes_per_step(fp32) if fp32 is not None
                   else run["fp32_allreduce_bytes_per_step"])
     differences = [run.get(f"eval_loss_minus_{name}") for name in BASELINES]
-    froze = run.get("freeze_step")
-    mode = run["mode"] + ("" if froze is None else f" (froze at {froze})")
+    mode = run["mode"] + _mode_note(run)
     rows.append(
         f"| {mode} | {run['eval_loss']:.4f} "
         + "".join("| - " if d is None else f"| {d:+.4f} " for d in differences)
@@ -193,7 +209,8 @@ def main(argv):
   summaries = {mode: _summary(workdir / mode) for mode in FLAGS.modes}
   reused = [mode for mode, summary in summaries.items() if summary is not None]
   runs = [{"mode": mode, **(summaries[mode] or
-                            train.train_and_evaluate(config, str(workdir / mode)))}
+                            train.train_and_evaluate(config, str(workdir / mode))),
+           **({"diloco_workers": config.diloco_workers} if config.optimizer == "diloco" else {})}
           for mode, config in zip(FLAGS.modes, configs, strict=True)]
   wall = time.perf_counter() - start
   runs = compared(runs)
@@ -211,7 +228,12 @@ def main(argv):
       f"context: {entropies}. Bytes are what one device sends a step: the gradients' average "
       "as the optimizer reports it for the last step (a compressed Adam's after its freeze), "
       "and every collective of the compiled step (HLO: the metrics' means included, and both "
-      "branches of a compressed Adam's switch); \"vs fp32 bytes\" compares the former.\n\n"
+      "branches of a compressed Adam's switch); \"vs fp32 bytes\" compares the former."
+      + (" DiLoCo's bytes/step: the mean over the run of what a device sends across workers "
+         "(its exchange of the outer gradient at each sync, nothing between; its worker's own "
+         "average every step left out), against data parallel's all-reduce over all devices."
+         if any(run.get("optimizer") == "diloco" for run in runs) else "")
+      + "\n\n"
   )
   report = json.dumps({"config": config.to_dict(), "wall_seconds": wall, "runs": runs},
                       indent=2) + "\n"
