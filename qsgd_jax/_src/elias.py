@@ -260,8 +260,9 @@ def total_bits(levels: jax.Array, *, variant: Variant) -> jax.Array:
   """:func:`encoded_bits` as a ``float32`` scalar that cannot wrap, for statistics.
 
   The same count, exact up to ``2**24`` bits and within float32's rounding
-  past it (:func:`sum_counts`), for a vector of any length: a billion levels
-  at 4 bits take about ``1.2e10`` bits, past what an int32 holds.
+  past it (chunks summed exactly in int32, their totals in float32), for a
+  vector of any length: a billion levels at 4 bits take about ``1.2e10``
+  bits, past what an int32 holds.
 
   Examples:
     >>> import jax.numpy as jnp
