@@ -129,8 +129,8 @@ def attention_matrix_view(path: tuple[str, ...], shape: tuple[int, ...]) -> tupl
   """PowerSGD's default ``matrix_view``: each kernel as its layer's input-to-output map.
 
   * A 3-d ``kernel`` of a layer named ``query``, ``key`` or ``value`` (Flax's
-    :class:`~flax.linen.MultiHeadDotProductAttention` and
-    :class:`~flax.nnx.MultiHeadAttention`, whose ``DenseGeneral`` kernels are
+    ``linen.MultiHeadDotProductAttention`` and
+    ``nnx.MultiHeadAttention``, whose ``DenseGeneral`` kernels are
     ``(in, heads, head_dim)``) is ``(in, heads * head_dim)``. The layer is
     the path's entry before its last ``"kernel"``, which is the path's last
     entry (linen's params) or the one before it (NNX's ``"value"`` of a
