@@ -169,6 +169,14 @@ def test_auto_freeze_with_no_compressed_leaf_runs_as_adam(optimizer):
   np.testing.assert_allclose(np.asarray(p["b"][0]), -3e-2, rtol=1e-5)
 
 
+# Both optimizers with replicated parameters (no local steps), one float32 step before 1-bit ones.
+REPLICATED_ADAMS = [
+    lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=1, min_compressed_size=0),
+    lambda: qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=1, min_compressed_size=0,
+                                   local_step_clipper=1),
+]
+
+
 def _in_shard_map(fn):
   """``fn(params, x)`` under ``jax.shard_map`` over 8 devices, params ``{"w": zeros((16, 64))}``
   replicated and ``x`` (ones) split along the axis; its replicated result."""
@@ -178,11 +186,7 @@ def _in_shard_map(fn):
   return jax.jit(mapped)({"w": jnp.zeros((16, 64))}, x)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=2, min_compressed_size=0),
-    lambda: qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=2, min_compressed_size=0,
-                                   local_step_clipper=1),
-], ids=["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("make", REPLICATED_ADAMS, ids=["onebit_adam", "zero_one_adam"])
 def test_a_gradient_already_summed_over_the_axis_is_refused(make):
   tx = make()
 
@@ -211,11 +215,7 @@ def test_zero_one_adams_local_steps_under_replicated_parameters_say_what_to_do()
     train.step(p, train.init(p), x)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=1, min_compressed_size=0),
-    lambda: qsgd_jax.zero_one_adam(1e-2, AXIS, var_freeze_step=1, min_compressed_size=0,
-                                   local_step_clipper=1),
-], ids=["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("make", REPLICATED_ADAMS, ids=["onebit_adam", "zero_one_adam"])
 def test_init_and_update_in_one_shard_map(make):
   tx = make()
 

@@ -22,7 +22,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import qsgd_jax
-from qsgd_jax._src import transforms
+from qsgd_jax._src import base
 
 AXIS = "batch"
 NUM_DEVICES = 8
@@ -361,7 +361,7 @@ def test_all_finite_finds_one_bad_element_in_any_float_leaf(dtype, bad):
           "steps": jnp.arange(3)}
   if bad is not None:
     tree["w"] = tree["w"].at[40, 17].set(bad)
-  assert bool(jax.jit(transforms._all_finite)(tree)) == (bad is None)
+  assert bool(jax.jit(base.all_finite)(tree)) == (bad is None)
 
 
 def _multiples_of_an_eighth():

@@ -307,6 +307,21 @@ def check_float_leaves(tree, owner: str) -> None:
       )
 
 
+def all_finite(tree) -> jax.Array:
+  """``bool[]``: whether every float leaf of ``tree`` is finite (``True`` for none).
+
+  ``x * 0`` is zero for a finite ``x`` and NaN for an infinite or NaN one, so
+  the sum of a leaf's ``x * 0`` is finite exactly when the leaf is (and
+  cannot overflow). XLA on CPU fuses that product into the sum; it wrote
+  ``isfinite(leaf)`` out as a boolean array a leaf before reducing it: 40% of
+  the kernel time of the default step on ResNet-50's gradient (two CPU
+  devices, ``benchmarks/step_cost.py``). Integer leaves are always finite.
+  """
+  sums = [jnp.sum(leaf * jnp.zeros((), leaf.dtype), dtype=jnp.float32)
+          for leaf in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(leaf), jnp.floating)]
+  return jnp.isfinite(sum(sums)) if sums else jnp.bool_(True)
+
+
 def as_float32(x: jax.Array, owner: str) -> jax.Array:
   """``x`` in float32, or a ``TypeError`` naming ``owner`` if it is not float."""
   x = jnp.asarray(x)

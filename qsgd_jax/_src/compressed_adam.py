@@ -259,7 +259,6 @@ class AutoFreeze:
     settled = (updates_seen >= self.window) & (drift <= self.tolerance)
     return history, settled
 
-
   def update(self, history: jax.Array, freeze_count: jax.Array, *, variances: list[jax.Array],
              updates_seen: jax.Array, recorded: jax.Array, count: jax.Array, b2: float,
              bias_correction: bool) -> tuple[jax.Array, jax.Array]:
@@ -383,12 +382,6 @@ def variance_zeros(params) -> Any:
   return jax.tree.map(
       lambda x: jnp.zeros(jnp.shape(x), jnp.float32 if jnp.result_type(x) == jnp.float16
                           else jnp.result_type(x)), params)
-
-
-def all_finite(leaves) -> jax.Array:
-  """``bool[]``: whether every element of every leaf is finite (``True`` for none)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else (
-      jnp.bool_(True))
 
 
 def cast_like(new: list, old: list) -> list:

@@ -298,7 +298,7 @@ def diloco(
 
     inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
     inner_updates, new_inner_state = inner.update(updates, inner_state, params, **extra_args)
-    finite = _all_finite(inner_updates)
+    finite = base.all_finite(inner_updates)
     inner_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
                                  inner_updates)
     new_inner_state = _select(finite, new_inner_state, inner_state)
@@ -403,7 +403,7 @@ def _exchange(delta, average_state, *, average, parsed: axes.Axes, size: int):
     bits = jnp.float32(jnp.nan)
   outer_bits = bits if sent is None else sent.outer_wire_bits
   # A round skipped for a non-finite average keeps the average's state (its error feedback).
-  new_state = _select(_all_finite(averaged), new_state, average_state)
+  new_state = _select(base.all_finite(averaged), new_state, average_state)
   return averaged, new_state, (bits, outer_bits)
 
 
@@ -418,7 +418,7 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
   grads = tuple(a.astype(g.dtype) for a, g in zip(averaged, global_leaves, strict=True))
   outer_updates, new_outer_state = outer_optimizer.update(grads, outer_state, global_leaves)
   new_global = optax.apply_updates(global_leaves, outer_updates)
-  finite = _all_finite(averaged)
+  finite = base.all_finite(averaged)
   new_global = _select(finite, new_global, global_leaves)
   new_outer_state = _select(finite, new_outer_state, outer_state)
   updates = []
@@ -432,13 +432,6 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
 def _cond(predicate, true_fn, false_fn):
   """``jax.lax.cond`` on a step-count predicate, the same on every device."""
   return jax.lax.cond(predicate, true_fn, false_fn)
-
-
-def _all_finite(tree) -> jax.Array:
-  """Whether every float leaf of ``tree`` is finite (a sum of ``x * 0`` is, exactly then)."""
-  sums = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in jax.tree.leaves(tree)
-          if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-  return jnp.isfinite(sum(sums)) if sums else jnp.bool_(True)
 
 
 def _select(condition, new, old):

@@ -298,8 +298,8 @@ def _onebit_reduce_scatter(config: _Config, cotangents, worker_error):
   # A device whose cotangents are not all finite sends NaN scales, so that every device,
   # receiving every worker's scales, knows: the step's gradients are then NaN everywhere,
   # and every device keeps its error as it was.
-  finite_here = jnp.all(jnp.isfinite(compensated)) & jnp.all(jnp.stack(
-      [jnp.all(jnp.isfinite(cotangents[i])) for i in range(len(cotangents))]))
+  finite_here = base.all_finite(
+      [compensated] + [cotangents[i] for i in range(len(cotangents)) if i not in onebit])
   scales = jnp.where(finite_here, scales, np.float32(np.nan))
   words = jax.vmap(lambda bits: packing.pack(bits.astype(jnp.uint32), 1))(nonnegative)
   scale_words = jax.lax.bitcast_convert_type(scales, jnp.uint32)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import optax
 
 from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import base, sign_exchange, stats, wire
 from qsgd_jax._src import compressed_adam as common
-from qsgd_jax._src import sign_exchange, stats, wire
 
 # Skipped steps never run out: a non-finite step is always skipped, on every device together.
 _ALWAYS_SKIP = 2**31 - 1
@@ -233,7 +233,7 @@ def scale_by_onebit_adam(
       indices = tuple(sorted(leaves.compressed + leaves.float32))
       means = common.pmean_float32([grads[i] for i in indices], axes)
       new_mu, new_nu = moments(indices, means, list(mu), list(nu))
-      return new_mu, new_nu, state.worker_error, state.server_error, common.all_finite(means)
+      return new_mu, new_nu, state.worker_error, state.server_error, base.all_finite(means)
 
     def compressed(_):
       local_mu = [optax.tree.update_moment(grads[i].astype(jnp.float32), mu[i], b1, 1)
@@ -245,7 +245,7 @@ def scale_by_onebit_adam(
         new_mu[i] = common.unseen_masked(vector, nu[i])
       means = common.pmean_float32([grads[i] for i in leaves.float32], axes)
       new_mu, new_nu = moments(leaves.float32, means, new_mu, list(nu))
-      return new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & common.all_finite(
+      return new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & base.all_finite(
           means)
 
     def stored(new_mu, new_nu, worker_error, server_error, finite):

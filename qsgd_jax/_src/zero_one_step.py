@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import base
 from qsgd_jax._src import compressed_adam as common
 
 # What a step sends besides the float32 leaves: every float leaf in float32, the compressed
@@ -168,7 +169,7 @@ class Step:
     for i, mean in zip(small, means, strict=True):
       mu[i] = optax.tree.update_moment(mean, self.mu[i], s.b1, 1)
       nu[i] = optax.tree.update_moment_per_elem_norm(mean, self.nu[i], s.b2, 2)
-    return mu, nu, (flag == 0) & common.all_finite(means)
+    return mu, nu, (flag == 0) & base.all_finite(means)
 
   # Before the freeze.
 
@@ -182,7 +183,7 @@ class Step:
       mu[i] = optax.tree.update_moment(mean, self.mu[i], s.b1, 1)
       nu[i] = optax.tree.update_moment_per_elem_norm(mean, self.nu[i], s.b2, 2)
     return Moments(*self.stored(mu, nu), state.worker_error, state.server_error,
-                   common.all_finite(means), state.variance_updates + 1)
+                   base.all_finite(means), state.variance_updates + 1)
 
   def onebit_step(self, _) -> Moments:
     """The compressed leaves' momentum from the 1-bit average of the gradients."""
@@ -225,7 +226,7 @@ class Step:
     """This device's step on its own momentum of its own gradients (the inner axes' mean)."""
     s, state, compressed = self.settings, self.state, self.leaves.compressed
     grads = common.inner_mean([self.grads[i] for i in compressed], s.axes)
-    flag = jnp.logical_not(common.all_finite([self.grads[i] for i in compressed]))
+    flag = jnp.logical_not(base.all_finite([self.grads[i] for i in compressed]))
     mu, nu, finite = self.small_leaves(list(self.mu), list(self.nu), flag)
     deltas = [None] * len(self.grads)
     denominators = {}
@@ -269,7 +270,7 @@ class Step:
     moved = [common.unseen_masked(u / local.denominators[i], self.nu[i])
              for u, i in zip(out.vectors, compressed, strict=True)]
     return Synchronized(*self.synchronized(local, average, moved), out.worker_error,
-                        out.server_error, out.all_finite & common.all_finite(average),
+                        out.server_error, out.all_finite & base.all_finite(average),
                         jnp.float32(0), SENT_ONEBIT)
 
   def momentum_sync(self, local: Local) -> Synchronized:
@@ -281,7 +282,7 @@ class Step:
     average = common.pmean_float32([local.mu[i] for i in compressed], self.settings.axes)
     moved = [jnp.zeros(a.shape, a.dtype) for a in local.accumulator]
     return Synchronized(*self.synchronized(local, average, moved), self.state.worker_error,
-                        self.state.server_error, common.all_finite(average), jnp.float32(0),
+                        self.state.server_error, base.all_finite(average), jnp.float32(0),
                         SENT_FLOAT32)
 
   def local_only(self, local: Local) -> Synchronized:
