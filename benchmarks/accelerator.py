@@ -127,13 +127,20 @@ def parse_args(argv=None):
 
 
 def _seconds(fn, args, repeats: int) -> float:
-  """Median seconds of ``repeats`` calls after a warm-up call, each waited on."""
+  """Median seconds a call: ``repeats`` samples after a warm-up, each of enough calls
+  dispatched back to back (then waited on) to last a millisecond, so that a short kernel is
+  timed without the host's dispatch and wait around every call."""
   jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  calls = min(100, max(1, math.ceil(1e-3 / (time.perf_counter() - start))))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
+    for _ in range(calls - 1):
+      fn(*args)
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    times.append((time.perf_counter() - start) / calls)
   return statistics.median(times)
 
 
@@ -141,6 +148,11 @@ def _rate(traffic_bytes: float, seconds: float, copy_gb_per_s: float, peak) -> d
   gb_per_s = traffic_bytes / seconds / 1e9
   return {"ms": 1e3 * seconds, "gb_per_s": gb_per_s, "of_copy": gb_per_s / copy_gb_per_s,
           "of_datasheet": None if peak is None else gb_per_s / peak}
+
+
+def _pallas_failure(error: Exception) -> dict:
+  """A fused kernel's row when Pallas could not lower or run it here: the XLA rows go on."""
+  return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
 
 
 def _fused_compressor(compressor):
@@ -168,16 +180,22 @@ def kernels(size: int, repeats: int, peak) -> dict:
     payload_bytes = compressor.wire_bits(x.shape) / 8
     for label, (encode, decode) in variants.items():
       encode, decode = jax.jit(encode), jax.jit(decode)
-      payload = encode(key, x)
       round_trip = jax.jit(lambda key, x, e=encode, d=decode: d(e(key, x)))
-      out[label] = {
-          "encode": _rate(nbytes + payload_bytes, _seconds(encode, (key, x), repeats),
-                          copy_gb_per_s, peak),
-          "decode": _rate(payload_bytes + nbytes, _seconds(decode, (payload,), repeats),
-                          copy_gb_per_s, peak),
-          "encode_decode": _rate(2 * (nbytes + payload_bytes),
-                                 _seconds(round_trip, (key, x), repeats), copy_gb_per_s, peak),
-      }
+      try:
+        payload = encode(key, x)
+        out[label] = {
+            "encode": _rate(nbytes + payload_bytes, _seconds(encode, (key, x), repeats),
+                            copy_gb_per_s, peak),
+            "decode": _rate(payload_bytes + nbytes, _seconds(decode, (payload,), repeats),
+                            copy_gb_per_s, peak),
+            "encode_decode": _rate(2 * (nbytes + payload_bytes),
+                                   _seconds(round_trip, (key, x), repeats), copy_gb_per_s,
+                                   peak),
+        }
+      except Exception as error:  # noqa: BLE001  (only the fused kernels' failures are rows)
+        if not label.endswith("_pallas"):
+          raise
+        out[label] = _pallas_failure(error)
   return out
 
 
@@ -213,8 +231,15 @@ def exchange_kernels(parameters: int, repeats: int, copy_gb_per_s: float, peak) 
     variants["unpack_pallas"] = (
         lambda rows, scales: pallas_kernels.sign_unpack_rows(rows, scales, interpret=False),
         (rows, scales), n / 8 + 4 * n)
-  return {name: _rate(traffic, _seconds(jax.jit(fn), args, repeats), copy_gb_per_s, peak)
-          for name, (fn, args, traffic) in variants.items()}
+  out = {}
+  for name, (fn, args, traffic) in variants.items():
+    try:
+      out[name] = _rate(traffic, _seconds(jax.jit(fn), args, repeats), copy_gb_per_s, peak)
+    except Exception as error:  # noqa: BLE001  (only the fused kernels' failures are rows)
+      if not name.endswith("_pallas"):
+        raise
+      out[name] = _pallas_failure(error)
+  return out
 
 
 def _one_device_mesh():
@@ -362,7 +387,7 @@ def cost_model_rows(step_report: dict, kernel_report: dict) -> dict:
   size = max(kernel_report, key=int)
   for label, bits in (("qsgd_4bit", 4 + 32 / 512), ("onebit", 1 + 64 / 512)):
     for variant in (label, f"{label}_pallas"):
-      if variant not in kernel_report[size]:
+      if "encode" not in kernel_report[size].get(variant, {}):
         continue
       row = kernel_report[size][variant]
       method = cost_model.Method(variant, bits / 8, int(size) / (row["encode"]["ms"] / 1e3),
@@ -378,14 +403,14 @@ def targets(record: dict) -> list[dict]:
   size = max(record["kernels"], key=int)
   kernel = record["kernels"][size]
   for name in ("qsgd_4bit", "qsgd_4bit_pallas", "onebit"):
-    if name in kernel:
+    if "encode_decode" in kernel.get(name, {}):
       figure = kernel[name]["encode_decode"]["of_copy"]
       rows.append({"what": f"{name} encode+decode, of the copy's bandwidth ({size} float32)",
                    "figure": figure, "target": f">= {TARGET_FRACTION_OF_COPY:.0%}",
                    "met": figure >= TARGET_FRACTION_OF_COPY})
   for model, parts in record["exchange"].items():
     for part in ("pack", "unpack", "pack_pallas", "unpack_pallas"):
-      if part in parts:
+      if "of_copy" in parts.get(part, {}):
         figure = parts[part]["of_copy"]
         rows.append({"what": f"exchange {part}, of the copy's bandwidth ({model})",
                      "figure": figure, "target": f">= {TARGET_FRACTION_OF_COPY:.0%}",
@@ -415,6 +440,9 @@ def markdown(record: dict) -> str:
     for name, row in rows.items():
       if name == "copy":
         continue
+      if "error" in row:
+        lines.append(f"| {int(size):,} | {name} | failed: {row['error']} | | |")
+        continue
       cells = [f"{row[part]['gb_per_s']:.1f} ({_percent(row[part]['of_copy'])},"
                f" {_percent(row[part]['of_datasheet'])})"
                for part in ("encode", "decode", "encode_decode")]
@@ -422,6 +450,9 @@ def markdown(record: dict) -> str:
   lines += ["", "| 1-bit exchange | kernel | ms | GB/s | of copy |", "|---|---|---|---|---|"]
   for model, parts in record["exchange"].items():
     for part, row in parts.items():
+      if "error" in row:
+        lines.append(f"| {model} | {part} | failed: {row['error']} | | |")
+        continue
       lines.append(f"| {model} | {part} | {row['ms']:.3f} | {row['gb_per_s']:.1f} |"
                    f" {_percent(row['of_copy'])} |")
   lines += ["", "| PowerSGD update (rank 4), one device | parameters | ms | ns a parameter |",
@@ -455,7 +486,14 @@ def markdown(record: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _progress(record: dict, section: str, start: float) -> None:
+  """One finished section as a line of JSON: a run cut short still leaves its figures."""
+  print(f"[{time.perf_counter() - start:.0f} s] {section}:"
+        f" {json.dumps(record[section], default=str)}", flush=True)
+
+
 def run_benchmark(args) -> dict:
+  start = time.perf_counter()
   device = jax.devices()[0]
   throughput = _load("compressor_throughput")
   peak = args.peak_gb_per_s or throughput.datasheet_bandwidth(device)
@@ -464,6 +502,7 @@ def run_benchmark(args) -> dict:
             "device": {"kind": device.device_kind, "platform": device.platform,
                        "datasheet_gb_per_s": peak}}
   record["kernels"] = {str(size): kernels(size, args.repeats, peak) for size in sizes}
+  _progress(record, "kernels", start)
   copy_gb_per_s = record["kernels"][str(max(sizes))]["copy"]["gb_per_s"]
   # Imported here: collectives.py sets JAX_PLATFORMS and XLA_FLAGS if unset, which this
   # process, its backend started, no longer reads.
@@ -480,16 +519,25 @@ def run_benchmark(args) -> dict:
   record["exchange"] = {
       name: exchange_kernels(sum(math.prod(s) for s in shapes.values()), args.repeats,
                              copy_gb_per_s, peak) for name, shapes in trees.items()}
+  _progress(record, "exchange", start)
   record["powersgd"] = {name: powersgd_step(shapes, args.repeats)
                         for name, shapes in trees.items()}
+  _progress(record, "powersgd", start)
   record["steps"] = steps(args.small, 2 if args.small else args.batch, args.step_repeats,
                           args.modes)
+  _progress(record, "steps", start)
   record["cost_model"] = cost_model_rows(record["steps"], record["kernels"])
   record["targets"] = targets(record)
   return record
 
 
 # --check: the same small programs on the default device and on the CPU.
+
+
+def _platform() -> str:
+  """The platform programs run on now: ``jax.default_device``'s, else the default backend."""
+  device = jax.config.jax_default_device
+  return jax.default_backend() if device is None else device.platform
 
 
 def _check_programs() -> dict:
@@ -506,12 +554,12 @@ def _check_programs() -> dict:
     return q4.decode(q4.encode(jax.random.key(1), jnp.asarray(x)))
 
   def qsgd_fused():
-    interpret = jax.default_backend() != "gpu"
+    interpret = _platform() != "gpu"
     payload = q4._encode_fused(jax.random.key(1), jnp.asarray(x), interpret=interpret)
     return payload.packed, payload.scales, q4._decode_fused(payload, interpret=interpret)
 
   def sign_kernels():
-    interpret = jax.default_backend() != "gpu"
+    interpret = _platform() != "gpu"
     words = pallas_kernels.sign_pack(jnp.asarray(x), interpret=interpret)
     rows = words[: 8 * 128].reshape(8, 128)
     return words, pallas_kernels.sign_unpack_rows(rows, jnp.arange(8.0), interpret=interpret)
@@ -574,7 +622,8 @@ def run_check() -> dict:
         except Exception as error:  # noqa: BLE001  (reported, and the other checks go on)
           outputs[label] = f"{type(error).__name__}: {str(error)[:300]}"
     if any(isinstance(value, str) for value in outputs.values()):
-      results[name] = {"passed": False, "error": outputs}
+      results[name] = {"passed": False, "error": {
+          label: value if isinstance(value, str) else "ran" for label, value in outputs.items()}}
       continue
     same_bits = all(a.shape == b.shape and a.tobytes() == b.tobytes()
                     for a, b in zip(outputs["default"], outputs["cpu"], strict=True))

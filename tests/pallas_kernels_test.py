@@ -3,7 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from qsgd_jax._src import packing, pallas_kernels, sign_exchange
@@ -71,8 +73,9 @@ def test_sign_pack_is_packing_bit_for_bit(size):
   np.testing.assert_array_equal(pallas_kernels.sign_pack(x, interpret=True), expected)
 
 
-def test_sign_unpack_rows_is_the_scaled_signs_bit_for_bit():
-  words = jax.random.bits(jax.random.key(4), (3, 24), jnp.uint32)
+@pytest.mark.parametrize("row_words", [24, 512, 2 * 256 + 37])  # XLA only, fused, both.
+def test_sign_unpack_rows_is_the_scaled_signs_bit_for_bit(row_words):
+  words = jax.random.bits(jax.random.key(4), (3, row_words), jnp.uint32)
   scales = jnp.array([0.5, 2.0, jnp.inf], jnp.float32)
   signs = packing.unpack(words.reshape(-1), words.size * 32, 1).reshape(3, -1).astype(bool)
   expected = jnp.where(signs, np.float32(1), np.float32(-1)) * scales[:, None]
@@ -89,3 +92,34 @@ def test_the_exchange_with_the_unpack_kernel_is_bit_for_bit(monkeypatch):
   got = sign_exchange.exchange(vectors, *errors, layout, None)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _on_devices(fn, *trees, devices=2):
+  """``fn`` under ``jax.shard_map`` over ``devices`` devices, every input replicated."""
+  mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices])
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P("batch")))(*trees)
+
+
+def test_the_kernels_type_their_outputs_under_shard_map(monkeypatch):
+  # A pallas_call under shard_map must say how its outputs vary over the mesh (as its
+  # operands do, here the per-device gradients), or tracing it fails. With "gpu" on a CPU
+  # the kernels' branch of platform_dependent is traced and the XLA branch runs; Pallas'
+  # interpreter cannot run under shard_map's varying types.
+  x = _gradient(2 * 8192 + 300, seed=5).reshape(2, -1)
+  tx = qsgd_jax.onebit_adam(1e-2, "batch", freeze_step=1, min_compressed_size=1024)
+
+  def programs(x):
+    x = qsgd_jax.as_varying(x, "batch") * (1.0 + jax.lax.axis_index("batch"))
+    mean = qsgd_jax.quantized_pmean(x, "batch", qsgd_jax.QSGD(bits=4), jax.random.key(2),
+                                    min_compressed_size=1024)
+    params, state = {"w": x}, tx.init({"w": x})
+    for _ in range(2):  # The float32 step, then the 1-bit exchange.
+      updates, state = tx.update(params, state, params)
+      params = optax.apply_updates(params, updates)
+    return mean[None], params["w"][None]
+
+  expected = _on_devices(programs, x)
+  monkeypatch.setenv("QSGD_JAX_PALLAS", "gpu")
+  got = _on_devices(programs, x)
+  for a, b in zip(got, expected, strict=True):
+    np.testing.assert_array_equal(_bits(a), _bits(b))

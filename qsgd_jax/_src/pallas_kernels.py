@@ -17,7 +17,10 @@ operation a GPU compiler computes differently is float32 division (Triton's
 ``/`` is an approximate ``div.full.f32``): on GPU the kernel divides with an
 inline ``div.rn.f32``, as XLA's own division does.
 
-The XLA path stays the default and the portable reference. The kernels run
+The XLA path stays the default and the portable reference. On an H100 (JAX
+0.11.2) the kernels give the XLA path's bits and QSGD's encode moves 1.8x the
+bytes a second (one read of the array, not XLA's two), but a training step
+with them was no faster within the spread (``docs/results.md``). They run
 where ``QSGD_JAX_PALLAS`` says, read when a function is traced:
 
 * ``off`` (the default): never;
@@ -85,6 +88,13 @@ def _divide(numerator: jax.Array, denominator: jax.Array, interpret: bool) -> ja
       "div.rn.f32 $0, $1, $2;", args=[numerator, denominator], constraints="=r,r,r",
       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(numerator.shape, jnp.float32)])
   return quotient
+
+
+def _out_type(shape, dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
+  """A kernel's output type: under ``shard_map``, varying over every axis an operand varies over."""
+  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
 def _uint32(x) -> jax.Array:
@@ -187,8 +197,8 @@ def qsgd_encode(seed: jax.Array, flat: jax.Array, *, levels: int, bits: int, buc
   kernel = functools.partial(_qsgd_encode_kernel, levels=levels, bits=bits, interpret=interpret)
   return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((packing.num_words(size, bits),), jnp.uint32),
-                 jax.ShapeDtypeStruct((num_buckets,), jnp.float32)),
+      out_shape=(_out_type((packing.num_words(size, bits),), jnp.uint32, seed, flat),
+                 _out_type((num_buckets,), jnp.float32, seed, flat)),
       grid=(qsgd_fused_buckets(bits, bucket_len, size) // block,),
       in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
                 pl.BlockSpec((block * bucket_len,), lambda i: (i,))],
@@ -235,7 +245,7 @@ def qsgd_decode(words: jax.Array, steps: jax.Array, inverse_normalizers: jax.Arr
   block_words = block * bucket_len * bits // _WORD_BITS
   return pl.pallas_call(
       functools.partial(_qsgd_decode_kernel, bits=bits),
-      out_shape=jax.ShapeDtypeStruct((size,), jnp.float32),
+      out_shape=_out_type((size,), jnp.float32, words, steps, inverse_normalizers),
       grid=(qsgd_fused_buckets(bits, bucket_len, size) // block,),
       in_specs=[pl.BlockSpec((block_words,), lambda i: (i,)),
                 pl.BlockSpec((block,), lambda i: (i,)),
@@ -270,7 +280,7 @@ def sign_pack(x: jax.Array, *, interpret: bool) -> jax.Array:
     return packing.pack((x >= 0).astype(jnp.uint32), 1)
   words = pl.pallas_call(
       _sign_pack_kernel,
-      out_shape=jax.ShapeDtypeStruct((packing.num_words(n, 1),), jnp.uint32),
+      out_shape=_out_type((packing.num_words(n, 1),), jnp.uint32, x),
       grid=(fused_words // _SIGN_BLOCK_WORDS,),
       in_specs=[pl.BlockSpec((_SIGN_BLOCK_WORDS * _WORD_BITS,), lambda i: (i,))],
       out_specs=pl.BlockSpec((_SIGN_BLOCK_WORDS,), lambda i: (i,)),
@@ -297,23 +307,39 @@ def sign_unpack_rows(words: jax.Array, scales: jax.Array, *, interpret: bool) ->
   ``words`` is ``uint32[rows, row_words]``, ``scales`` ``float32[rows]``:
   element ``j`` of row ``k`` is ``scales[k]`` where bit ``j`` of the row is
   set and ``-scales[k]`` where not, the bits of ``sign_exchange``'s
-  ``+-1`` rows times their scales.
+  ``+-1`` rows times their scales. The kernel unpacks each row's whole blocks
+  of ``_SIGN_BLOCK_WORDS`` words; the words after them are unpacked the XLA
+  way and written in place.
   """
   rows, row_words = words.shape
-  block = _SIGN_BLOCK_WORDS
-  while row_words % block:
-    block //= 2
-  return pl.pallas_call(
+  scales = scales.reshape(rows, 1).astype(jnp.float32)
+  fused_words = row_words // _SIGN_BLOCK_WORDS * _SIGN_BLOCK_WORDS
+  if not fused_words:
+    return _unpacked_signs(words, scales)
+  out = pl.pallas_call(
       _sign_unpack_kernel,
-      out_shape=jax.ShapeDtypeStruct((rows, row_words * _WORD_BITS), jnp.float32),
-      grid=(rows, row_words // block),
-      in_specs=[pl.BlockSpec((1, block), lambda k, i: (k, i)),
+      out_shape=_out_type((rows, row_words * _WORD_BITS), jnp.float32, words, scales),
+      grid=(rows, fused_words // _SIGN_BLOCK_WORDS),
+      in_specs=[pl.BlockSpec((1, _SIGN_BLOCK_WORDS), lambda k, i: (k, i)),
                 pl.BlockSpec((1, 1), lambda k, i: (k, 0))],
-      out_specs=pl.BlockSpec((1, block * _WORD_BITS), lambda k, i: (k, i)),
+      out_specs=pl.BlockSpec((1, _SIGN_BLOCK_WORDS * _WORD_BITS), lambda k, i: (k, i)),
       compiler_params=_compiler_params(interpret),
       interpret=interpret,
       name="sign_unpack",
-  )(words, scales.reshape(rows, 1).astype(jnp.float32))
+  )(words, scales)
+  if fused_words == row_words:
+    return out
+  return out.at[:, fused_words * _WORD_BITS:].set(
+      _unpacked_signs(words[:, fused_words:], scales))
+
+
+def _unpacked_signs(words: jax.Array, scales: jax.Array) -> jax.Array:
+  """The XLA way of :func:`sign_unpack_rows`, ``scales`` as ``float32[rows, 1]``."""
+  rows, row_words = words.shape
+  offsets = _uint32(jnp.arange(_WORD_BITS, dtype=jnp.int32))[None, None, :]
+  bits = (words[:, :, None] >> offsets) & jnp.uint32(1)
+  plus_minus = jnp.where(bits != 0, jnp.float32(1), jnp.float32(-1))
+  return (plus_minus * scales[:, :, None]).reshape(rows, row_words * _WORD_BITS)
 
 
 def seed_words(key: jax.Array) -> jax.Array:
