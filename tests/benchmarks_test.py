@@ -70,9 +70,20 @@ def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys)
   monkeypatch.setattr(accelerator, "COMPRESSORS",
                       {"qsgd_4bit": accelerator.COMPRESSORS["qsgd_4bit"],
                        "onebit": accelerator.COMPRESSORS["onebit"]})
+
+
+  def kernels_that_fail_to_lower(compressor):  # A fused kernel Pallas cannot lower here.
+    def encode(key, x):
+      raise NotImplementedError("no Triton here")
+    return encode, compressor.decode
+
+  monkeypatch.setattr(accelerator, "_fused_compressor", kernels_that_fail_to_lower)
   accelerator.main(["--small", "--sizes", "16384", "--modes", "qsgd_4bit", "--repeats", "1",
                     "--step-repeats", "1", "--out", str(tmp_path)])
   record = json.loads((tmp_path / "accelerator.json").read_text())
+  assert record["kernels"]["16384"]["qsgd_4bit_pallas"] == {
+      "error": "NotImplementedError: no Triton here"}
+  assert record["kernels"]["16384"]["qsgd_4bit"]["encode"]["gb_per_s"] > 0
   assert set(record["steps"]["modes"]) == {"adamw", "qsgd_4bit"}
   assert record["cost_model"]["steps"]["qsgd_4bit"]["projected_ms"].keys() == {
       f"{devices}x{gbit}" for devices in (8, 64) for gbit in (10, 100, 400)}
