@@ -47,7 +47,7 @@ flags.mark_flags_as_required(["workdir"])
 
 BASELINES = ("fp32", "bf16")
 COLUMNS = ("| mode | held-out loss | vs fp32 | vs bf16 | final train loss | bytes/step "
-           "| vs fp32 bytes | HLO bytes/step | tokens/s | train s |")
+           "| vs fp32 bytes | HLO bytes/step, least-most | tokens/s | train s |")
 
 
 def apply_mode(config, mode: str, optimizers, averages) -> None:
@@ -102,6 +102,28 @@ def bytes_per_step(run: dict) -> float:
   return run["hlo_wire_bytes_per_step"] if wire is None else wire
 
 
+def hlo_bytes_range(run: dict) -> tuple[float, float]:
+  """The fewest and most bytes a step of the compiled program can send.
+
+  Every collective outside a conditional, plus each conditional's lightest
+  (heaviest) branch: a compressed Adam's 1-bit step and its float32 warm-up.
+  A run recorded before ``hlo_wire_bytes_by_branch`` reads its one figure,
+  the sum of all branches, for both.
+  """
+  by_branch = run.get("hlo_wire_bytes_by_branch")
+  if by_branch is None:
+    return (run["hlo_wire_bytes_per_step"],) * 2
+  branches = [branch for branch in by_branch["conditionals"] if branch]
+  least = by_branch["unconditional"] + sum(min(branch) for branch in branches)
+  most = by_branch["unconditional"] + sum(max(branch) for branch in branches)
+  return least, most
+
+
+def _hlo_cell(run: dict) -> str:
+  least, most = hlo_bytes_range(run)
+  return f"{least:,.0f}" if least == most else f"{least:,.0f}-{most:,.0f}"
+
+
 def _mode_note(run: dict) -> str:
   """What the mode's cell adds: where a compressed Adam froze, DiLoCo's workers."""
   froze = run.get("freeze_step")
@@ -117,8 +139,10 @@ def table(runs: list[dict]) -> str:
 
   "bytes/step" is what the last step sent by the optimizer's own account
   (:func:`qsgd_jax.compression_stats`; after a compressed Adam's freeze, its
-  1-bit step), else the compiled step's HLO bytes (which count both branches
-  of a compressed Adam's switch). For DiLoCo it is the mean over the run of
+  1-bit step), else the compiled step's HLO bytes. "HLO bytes/step" is every
+  collective of the compiled step, the fewest and the most a step sends: a
+  switched program (a compressed Adam's warm-up and 1-bit steps, PowerSGD's
+  exact and compressed steps) runs one branch of its switch a step. For DiLoCo it is the mean over the run of
   what a device sends across workers (its exchange of the outer gradient at
   each sync, zero between; the average inside a worker is left out), against data
   parallel's all-reduce over every device every step. "vs fp32 bytes" is the
@@ -138,7 +162,7 @@ def table(runs: list[dict]) -> str:
         + "".join("| - " if d is None else f"| {d:+.4f} " for d in differences)
         + f"| {run['final_train_loss']:.4f} | {bytes_per_step(run):,.0f} "
         f"| {fp32_bytes / bytes_per_step(run):.1f}x "
-        f"| {run['hlo_wire_bytes_per_step']:,.0f} | {run['tokens_per_second']:,.0f} "
+        f"| {_hlo_cell(run)} | {run['tokens_per_second']:,.0f} "
         f"| {run['train_seconds']:.0f} |"
     )
   return "\n".join(rows) + "\n"
@@ -227,8 +251,9 @@ def main(argv):
       f"Held-out loss in nats a byte; the held-out text's entropy given 0, 1 and 2 bytes of "
       f"context: {entropies}. Bytes are what one device sends a step: the gradients' average "
       "as the optimizer reports it for the last step (a compressed Adam's after its freeze), "
-      "and every collective of the compiled step (HLO: the metrics' means included, and both "
-      "branches of a compressed Adam's switch); \"vs fp32 bytes\" compares the former."
+      "and every collective of the compiled step (HLO: the metrics' means included; a "
+      "switched step's fewest and most, its compressed and its float32 branch); \"vs fp32 "
+      "bytes\" compares the former."
       + (" DiLoCo's bytes/step: the mean over the run of what a device sends across workers "
          "(its exchange of the outer gradient at each sync, nothing between; its worker's own "
          "average every step left out), against data parallel's all-reduce over all devices."

@@ -298,3 +298,21 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   assert 0 < sent[2] < summary["fp32_allreduce_bytes_per_step"] / 6
   assert summary["mean_wire_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
   assert summary["mean_inner_wire_bytes_per_step"] > 0  # The float32 average inside a worker.
+
+
+def test_the_comparison_reads_a_switched_step_as_its_lightest_and_heaviest_branch():
+  from examples.lm import compare  # noqa: PLC0415  (its flags only where it is used)
+
+  run = {"mode": "onebit_adam", "eval_loss": 1.9, "final_train_loss": 1.8,
+         "wire_bytes_per_step": 130.0, "hlo_wire_bytes_per_step": 3_555.0,
+         "hlo_wire_bytes_by_branch": {"unconditional": 10.0, "conditionals": [[3_400.0, 125.0],
+                                                                               []]},
+         "tokens_per_second": 1.0, "train_seconds": 1.0}
+  fp32 = run | {"mode": "fp32", "wire_bytes_per_step": 3_400.0, "hlo_wire_bytes_per_step": 3_410.0,
+                "hlo_wire_bytes_by_branch": {"unconditional": 3_410.0, "conditionals": []}}
+  assert compare.hlo_bytes_range(run) == (135.0, 3_410.0)
+  assert compare.hlo_bytes_range(fp32) == (3_410.0, 3_410.0)
+  older = {k: v for k, v in run.items() if k != "hlo_wire_bytes_by_branch"}
+  assert compare.hlo_bytes_range(older) == (3_555.0, 3_555.0)  # Recorded before the branches.
+  rows = compare.table(compare.compared([fp32, run])).splitlines()
+  assert "| 3,410 |" in rows[2] and "| 135-3,410 |" in rows[3]
