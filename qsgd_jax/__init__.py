@@ -42,6 +42,11 @@ from qsgd_jax._src.fsdp_onebit import (
     fsdp_onebit_gather,
     scale_by_fsdp_onebit_adam,
 )
+from qsgd_jax._src.fsdp_onebit_state import (
+    FSDPOneBitErrorState,
+    fsdp_onebit_step_inputs,
+    keep_fsdp_onebit_error,
+)
 from qsgd_jax._src.fsdp_shards import FlatShard, fsdp_shard
 from qsgd_jax._src.gather import quantized_all_gather
 from qsgd_jax._src.low_rank import attention_matrix_view
@@ -90,6 +95,7 @@ __all__ = (
     "DiLoCoState",
     "EliasSize",
     "FSDPOneBitAdamState",
+    "FSDPOneBitErrorState",
     "FlatShard",
     "Identity",
     "LowPrecisionDecentralizedState",
@@ -121,9 +127,11 @@ __all__ = (
     "fsdp_onebit_adam",
     "fsdp_onebit_error",
     "fsdp_onebit_gather",
+    "fsdp_onebit_step_inputs",
     "fsdp_remat_policy",
     "fsdp_shard",
     "initialize_distributed",
+    "keep_fsdp_onebit_error",
     "low_precision_decentralized",
     "onebit_adam",
     "onebit_sgd",

@@ -223,3 +223,88 @@ def test_a_nonfinite_cotangent_keeps_every_error_and_is_seen_everywhere():
   # The next finite step goes on from the kept error.
   grads, later = _run(new_error, 3, compress=True)
   assert np.all(np.isfinite(np.asarray(later))) and np.all(np.isfinite(np.asarray(grads["w"])))
+
+
+def _optimizer(worker_errors=None):
+  # Clipping first: it must leave the errors, an extra argument, alone.
+  return optax.chain(optax.clip(1e-4), qsgd_jax.fsdp_onebit_adam(
+      1e-2, freeze_step=2, frozen_mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+      worker_errors=worker_errors))
+
+
+def test_the_errors_in_the_optimizer_state_are_the_caller_carried_ones():
+  shards, _, _ = _program()
+  specs = jax.tree.map(lambda x: x.sharding.spec, shards)
+  carried = _optimizer(functools.partial(qsgd_jax.fsdp_onebit_error, axis_name=AXIS))
+  by_hand = _optimizer()
+
+  def init(shards):
+    return carried.init(shards), by_hand.init(shards), qsgd_jax.fsdp_onebit_error(shards, AXIS)
+
+  def step(shards, state, data):
+    (carried_state, hand_state, hand_error), hand_shards = state, shards[1]
+    error, compress = qsgd_jax.fsdp_onebit_step_inputs(carried_state)
+
+    def grads(shards, error, compress):
+      def loss(shards, error):
+        whole = qsgd_jax.fsdp_onebit_gather(shards, error, AXIS, compress=compress)
+        return jax.lax.pmean(sum(jnp.sum(whole[k] * data[k][0]) for k in SHAPES), AXIS)
+      return jax.grad(loss, argnums=(0, 1))(shards, error)
+
+    g, new_error = grads(shards[0], error, compress)
+    updates, carried_state = carried.update(g, carried_state, shards[0], worker_error=new_error)
+    hand_count = hand_state[1][0].count  # chain(clip, chain(adam, ...))
+    g, hand_error = grads(hand_shards, hand_error, hand_count >= 2)  # The switch by hand.
+    hand_updates, hand_state = by_hand.update(g, hand_state, hand_shards)
+    return ((optax.apply_updates(shards[0], updates), optax.apply_updates(hand_shards,
+                                                                         hand_updates)),
+            (carried_state, hand_state, hand_error))
+
+  # The state's layout as state_partition_specs gives it (the errors along the axis), with
+  # FSDP's moments laid out as the parameters' shards.
+  shapes = jax.eval_shape(jax.shard_map(init, mesh=MESH, in_specs=(specs,), out_specs=P(),
+                                        check_vma=False), shards)
+
+  def moments_as_shards(node):
+    if isinstance(node, qsgd_jax.FSDPOneBitAdamState):
+      return node._replace(mu=specs, nu=specs)
+    return node
+
+  carried_specs, hand_specs, _ = jax.tree.map(
+      moments_as_shards, qsgd_jax.state_partition_specs(shapes, AXIS),
+      is_leaf=lambda node: isinstance(node, qsgd_jax.FSDPOneBitAdamState))
+  state_specs = (carried_specs, hand_specs, P(AXIS))  # The errors carried by hand.
+  assert state_specs[0][1][0] == qsgd_jax.FSDPOneBitErrorState(worker_error=P(AXIS),
+                                                               warm_up_left=P())
+  init_fn = jax.jit(jax.shard_map(init, mesh=MESH, in_specs=(specs,), out_specs=state_specs))
+  step_fn = jax.jit(jax.shard_map(step, mesh=MESH, in_specs=((specs, specs), state_specs,
+                                                             P(AXIS)),
+                                  out_specs=((specs, specs), state_specs)))
+  params, state = (shards, shards), init_fn(shards)
+  for t in range(4):  # Two float32 steps, then two 1-bit ones.
+    data = jax.device_put(_data(t), NamedSharding(MESH, P(AXIS)))
+    params, state = jax.block_until_ready(step_fn(params, state, data))
+    for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1]), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kept = np.asarray(state[0][1][0].worker_error)
+    np.testing.assert_array_equal(kept, np.asarray(state[2]))
+    assert kept.any() == (t >= 2)  # Errors appear with the 1-bit steps.
+  with pytest.raises(ValueError, match="drop=True"):
+    qsgd_jax.resize_state(state[0], state[0], from_devices=8, to_devices=4)
+
+
+def test_the_carried_errors_bad_input_says_what_to_do():
+  tx = qsgd_jax.keep_fsdp_onebit_error(lambda p: {"layer": jnp.zeros((2, 3))}, freeze_step=1)
+  state = tx.init(jnp.zeros(3))
+  with pytest.raises(ValueError, match="update needs worker_error="):
+    tx.update(jnp.zeros(3), state)
+  with pytest.raises(ValueError, match=r"worker_error\['layer'\] is float32\[2, 4\]"):
+    tx.update(jnp.zeros(3), state, worker_error={"layer": jnp.zeros((2, 4))})
+  with pytest.raises(ValueError, match="structure"):
+    tx.update(jnp.zeros(3), state, worker_error=jnp.zeros((2, 3)))
+  with pytest.raises(ValueError, match="holds 0 FSDPOneBitErrorState"):
+    qsgd_jax.fsdp_onebit_step_inputs(optax.adam(1e-3).init(jnp.zeros(3)))
+  with pytest.raises(ValueError, match="freeze_step must be a positive int"):
+    qsgd_jax.keep_fsdp_onebit_error(lambda p: (), freeze_step=0)
+  with pytest.raises(TypeError, match="worker_errors must be a function"):
+    qsgd_jax.keep_fsdp_onebit_error(jnp.zeros(3), freeze_step=1)

@@ -142,10 +142,11 @@ def table(runs: list[dict]) -> str:
   1-bit step), else the compiled step's HLO bytes. "HLO bytes/step" is every
   collective of the compiled step, the fewest and the most a step sends: a
   switched program (a compressed Adam's warm-up and 1-bit steps, PowerSGD's
-  exact and compressed steps) runs one branch of its switch a step. For DiLoCo it is the mean over the run of
-  what a device sends across workers (its exchange of the outer gradient at
-  each sync, zero between; the average inside a worker is left out), against data
-  parallel's all-reduce over every device every step. "vs fp32 bytes" is the
+  exact and compressed steps) runs one branch of its switch a step. For
+  DiLoCo "bytes/step" is the mean over the run of what a device sends across
+  workers (its exchange of the outer gradient at each sync, zero between; the
+  average inside a worker is left out), against data parallel's all-reduce
+  over every device every step. "vs fp32 bytes" is the
   fp32 run's bytes a step over the row's, or without an fp32 run, a float32
   all-reduce of the gradients over the row's. A compressed Adam's mode says
   where it froze; DiLoCo's, its number of workers.

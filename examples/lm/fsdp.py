@@ -20,12 +20,12 @@ collective but the global norm of the clipping and the metrics.
 ``--optimizer=onebit_adam`` is 1-bit Adam under FSDP: each layer gathers with
 ``qsgd_jax.fsdp_onebit_gather``, whose gradient is reduce-scattered as
 ``config.average`` says for the first ``config.freeze_step`` steps, then in
-one bit an element with each device's worker error (a buffer a layer, in
-:class:`OneBitTrainState`), and ``qsgd_jax.fsdp_onebit_adam`` steps on the
-shards with the variance frozen from then on.
+one bit an element with each device's worker error (a buffer a layer, kept
+in the optimizer's state: ``fsdp_onebit_adam(..., worker_errors=)``), and
+``qsgd_jax.fsdp_onebit_adam`` steps on the shards with the variance frozen
+from then on.
 """
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -132,18 +132,6 @@ def loss_and_grads(loss_fn, state, batch, axis_name: str):
 ERROR_COLLECTION = "fsdp_error"
 
 
-class OneBitTrainState(TrainState):
-  """A ``TrainState`` with each device's worker errors of 1-bit Adam under FSDP.
-
-  Attributes:
-    worker_error: ``{layer: {"worker_error": float32[N, width]}}`` on each
-      device, for each top-level layer that sends a gradient in one bit
-      (:func:`worker_errors`).
-  """
-
-  worker_error: Any = None
-
-
 def worker_errors(shards, config: ml_collections.ConfigDict, axis_name: str) -> dict:
   """The zero worker errors of each top-level layer with a leaf that goes 1-bit."""
   errors = {name: qsgd_jax.fsdp_onebit_error(layer, axis_name,
@@ -170,14 +158,16 @@ def onebit_gather_fn(config: ml_collections.ConfigDict, axis_name: str, compress
   return gather
 
 
-def onebit_loss_and_grads(loss_fn, model, state: OneBitTrainState, batch, axis_name: str,
+def onebit_loss_and_grads(loss_fn, model, state: TrainState, batch, axis_name: str,
                           config: ml_collections.ConfigDict):
   """:func:`loss_and_grads` under 1-bit Adam, and the new worker errors.
 
-  The gradient goes 1-bit from step ``config.freeze_step`` on (the step
-  count, the same on every device, picks the branch).
+  The errors and the switch to 1-bit come from the optimizer's state
+  (``qsgd_jax.fsdp_onebit_step_inputs``: the gradient goes 1-bit from step
+  ``config.freeze_step`` on, by the optimizer's count, the same on every
+  device).
   """
-  compress = state.step >= int(config.freeze_step)
+  worker_error, compress = qsgd_jax.fsdp_onebit_step_inputs(state.opt_state)
   onebit_model = model.clone(gather=onebit_gather_fn(config, axis_name, compress),
                              gather_collections=("params", ERROR_COLLECTION))
 
@@ -187,7 +177,7 @@ def onebit_loss_and_grads(loss_fn, model, state: OneBitTrainState, batch, axis_n
     return jax.lax.pmean(loss_fn(params, batch, apply_fn), axis_name)
 
   loss, (grads, worker_error) = jax.value_and_grad(mean_loss, argnums=(0, 1))(
-      state.params, state.worker_error)
+      state.params, worker_error)
   return loss, grads, worker_error
 
 
@@ -200,4 +190,5 @@ def onebit_adam(config: ml_collections.ConfigDict, learning_rate_fn: optax.Sched
   return optax.chain(*clip, qsgd_jax.fsdp_onebit_adam(
       learning_rate_fn, freeze_step=int(config.freeze_step), b1=config.b1, b2=config.b2,
       eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
-      frozen_mask=lambda params: jax.tree.map(lambda x: is_sharded(x, axis_name), params)))
+      frozen_mask=lambda params: jax.tree.map(lambda x: is_sharded(x, axis_name), params),
+      worker_errors=lambda shards: worker_errors(shards, config, axis_name)))

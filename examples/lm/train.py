@@ -287,12 +287,15 @@ def fsdp_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule):
   return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
 
 
-def fsdp_onebit_train_step(state: fsdp.OneBitTrainState, batch, learning_rate_fn: optax.Schedule,
+def fsdp_onebit_train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule,
                            model: models.TransformerLM, config: ml_collections.ConfigDict):
-  """:func:`fsdp_train_step` under 1-bit Adam: the worker errors carried to the next step."""
+  """:func:`fsdp_train_step` under 1-bit Adam: the new worker errors go to the optimizer."""
   loss, grads, worker_error = fsdp.onebit_loss_and_grads(loss_fn, model, state, batch, AXIS,
                                                          config)
-  state = state.apply_gradients(grads=grads).replace(worker_error=worker_error)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params,
+                                       worker_error=worker_error)
+  state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                        opt_state=opt_state)
   return state, {"loss": loss, "learning_rate": learning_rate_fn(state.step - 1)}
 
 
@@ -350,11 +353,7 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
     model = model.clone(gather=fsdp.gather_fn(config, AXIS))
 
   def create(params):
-    if onebit_fsdp:
-      state = fsdp.OneBitTrainState.create(apply_fn=model.apply, params=params, tx=tx,
-                                           worker_error=fsdp.worker_errors(params, config, AXIS))
-    else:
-      state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step, as a restored checkpoint's: the compiled steps serve both.
     return state.replace(step=jnp.zeros((), jnp.int32))
 

@@ -44,7 +44,16 @@ import numpy as np
 import optax
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, fsdp, fsdp_passes, gather, packing, plan, provenance
+from qsgd_jax._src import (
+  base,
+  fsdp,
+  fsdp_onebit_state,
+  fsdp_passes,
+  gather,
+  packing,
+  plan,
+  provenance,
+)
 from qsgd_jax._src.baselines import Identity
 from qsgd_jax._src.fsdp_shards import FlatShard
 
@@ -114,9 +123,12 @@ def fsdp_onebit_gather(
   derivative: it is the new worker error (while warming up, the old one), the
   one way a custom derivative can hand state out of the backward pass.
   Differentiate with respect to ``(shards, worker_error)`` and carry the
-  second result to the next step. Call it once a step for each error buffer
-  (autodiff would add the new errors of two calls), on the cotangents of one
-  loss whose scale does not change between steps.
+  second result to the next step: best in the optimizer's state, with
+  :func:`fsdp_onebit_adam`'s ``worker_errors=`` (``compress`` and
+  ``worker_error`` then come from :func:`~qsgd_jax.fsdp_onebit_step_inputs`).
+  Call it once a step for each error buffer (autodiff would add the new
+  errors of two calls), on the cotangents of one loss whose scale does not
+  change between steps.
 
   A 1-bit step on which any device's cotangent holds a NaN or inf gives NaN
   gradients on every device (each device's scales tell every other) and
@@ -171,7 +183,8 @@ def fsdp_onebit_gather(
     raise ValueError(
         f"fsdp_onebit_gather: worker_error has shape {jnp.shape(worker_error)} on this device; "
         f"these shards need {expected}: make it with qsgd_jax.fsdp_onebit_error(shards, "
-        "axis_name) for these shards and carry it from step to step.")
+        "axis_name) for these shards and carry it from step to step (fsdp_onebit_adam's "
+        "worker_errors= keeps it in the optimizer's state).")
   if not internal:
     return shards
   key = None if key is None else base.as_key(key)
@@ -450,7 +463,7 @@ def scale_by_fsdp_onebit_adam(
 def fsdp_onebit_adam(
     learning_rate: optax.ScalarOrSchedule, *, freeze_step: int, b1: float = 0.9,
     b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, mask=None,
-    bias_correction: bool = True, frozen_mask=None,
+    bias_correction: bool = True, frozen_mask=None, worker_errors=None,
 ) -> optax.GradientTransformation:
   """1-bit Adam for FSDP: AdamW on the shards, its variance frozen after the warm-up.
 
@@ -462,15 +475,26 @@ def fsdp_onebit_adam(
   ``optax.add_decayed_weights(weight_decay, mask)`` and the learning rate, as
   :func:`~qsgd_jax.onebit_adam` chains them.
 
+  With ``worker_errors`` the state also holds the gather's worker errors and
+  its switch (:func:`~qsgd_jax.keep_fsdp_onebit_error`, first in the chain):
+  a step reads them with :func:`~qsgd_jax.fsdp_onebit_step_inputs` and hands
+  the new errors to ``update(..., worker_error=...)``, so that
+  ``state_partition_specs``, ``resize_state`` and checkpoints of the state
+  see them and the switch follows the optimizer's own count.
+
   Args:
     learning_rate: a float or an optax schedule.
     freeze_step, b1, b2, eps, bias_correction, frozen_mask: see
       :func:`scale_by_fsdp_onebit_adam`.
     weight_decay, mask: decoupled weight decay, as in ``optax.adamw``.
+    worker_errors: ``None`` (the caller carries the errors), or a function of
+      the shards that returns their zero worker errors, e.g.
+      ``functools.partial(qsgd_jax.fsdp_onebit_error, axis_name="batch")``.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update`` takes the averaged
-    gradients of this device's shards, inside ``jax.shard_map`` or outside.
+    gradients of this device's shards, inside ``jax.shard_map`` or outside
+    (with ``worker_errors``, ``worker_error=`` too).
 
   Examples:
     >>> import jax.numpy as jnp, qsgd_jax
@@ -482,7 +506,10 @@ def fsdp_onebit_adam(
     >>> bool(jnp.allclose(updates, -1e-3)), state[0].count
     (True, Array(3, dtype=int32))
   """
+  carried = ([] if worker_errors is None else
+             [fsdp_onebit_state.keep_fsdp_onebit_error(worker_errors, freeze_step=freeze_step)])
   return optax.chain(
+      *carried,
       scale_by_fsdp_onebit_adam(freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
                                 bias_correction=bias_correction, frozen_mask=frozen_mask),
       optax.add_decayed_weights(weight_decay, mask),

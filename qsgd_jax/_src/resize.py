@@ -12,6 +12,7 @@ import numpy as np
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco import DiLoCoState
+from qsgd_jax._src.fsdp_onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
@@ -191,6 +192,8 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
     into chunks whose boundaries and padding depend on the device count:
     they raise unless dropped (DeepSpeed drops them at every load); 0/1
     Adam's accumulator of local steps by :func:`~qsgd_jax.resize.first_device`;
+  * :class:`~qsgd_jax.FSDPOneBitErrorState`: FSDP 1-bit Adam's worker
+    errors, one row a device of each device's shards: likewise, dropped;
   * :class:`~qsgd_jax.LowPrecisionDecentralizedState`: every new worker takes
     worker 0's inner state, and both replicas become worker 0's model (worker
     1's copy of it), so the caller must give every worker worker 0's
@@ -465,8 +468,9 @@ register(LowPrecisionDecentralizedState, "left_replica", row(1))
 register(LowPrecisionDecentralizedState, "right_replica", row(-1))
 # Each device's residual of (gradient + residual) less the low-rank mean.
 register(PowerSGDState, "error", mean, residual=True)
-for _state_type in (ScaleByOneBitAdamState, ZeroOneAdamState):
+for _state_type in (ScaleByOneBitAdamState, ZeroOneAdamState, FSDPOneBitErrorState):
   register(_state_type, "worker_error", _sign_exchange_errors, residual=True)
+for _state_type in (ScaleByOneBitAdamState, ZeroOneAdamState):
   register(_state_type, "server_error", _sign_exchange_errors, residual=True)
 # 0/1 Adam's updates since the devices last synchronized: every device restarts from device 0's,
 # as from its parameters (the model of device 0, which the caller gives every device).

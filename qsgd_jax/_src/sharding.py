@@ -10,6 +10,7 @@ from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco import DiLoCoState
+from qsgd_jax._src.fsdp_onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
 from qsgd_jax._src.transforms import CompressedAllReduceState
@@ -21,6 +22,7 @@ _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
     DiLoCoState: ("count", "stats", "global_params"),
+    FSDPOneBitErrorState: ("warm_up_left",),
     LowPrecisionDecentralizedState: ("key", "stats"),
     ScaleByOneBitAdamState: ("count", "worker_error", "server_error", "freeze_count", "stats"),
     ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
@@ -49,6 +51,10 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     ``axis_name``: with inner axes each node steps on its own average, with
     the parameters' per-node layout); the variance and the counters are
     replicated.
+  * In a :class:`~qsgd_jax.FSDPOneBitErrorState`
+    (:func:`~qsgd_jax.keep_fsdp_onebit_error`) the worker errors lie along
+    ``axis_name``; the switch's count is replicated. (FSDP's moments are the
+    parameters' shards: lay them out as the parameters.)
   * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
     ``axis_name``; the key, the count, the P and Q memories (the same on
     every device: they come from all-reduces) and the stats are replicated.
@@ -132,6 +138,7 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
           key=all_leaves(replicated), stats=all_leaves(replicated)),
       ScaleByOneBitAdamState: dict(
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
+      FSDPOneBitErrorState: dict(worker_error=all_leaves(along_axis)),
       DiLoCoState: dict(
           inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_axis),
           average_states=lambda tree: specs(tree)),
