@@ -81,7 +81,7 @@ def test_rows_without_a_gradient_move_no_further_than_under_adamw(make):
 
 
 def test_fsdp_onebit_adam_keeps_rows_without_a_gradient_in_place():
-  tx = qsgd_jax.fsdp_onebit_adam(1e-2, freeze_step=3, eps=1e-9)
+  tx = qsgd_jax.fsdp_onebit_adam(1e-2, freeze_step=3, eps=1e-9, min_compressed_size=0)
   grads = jnp.zeros((VOCAB, WIDTH)).at[:USED].set(1.0)
   params = jnp.zeros((VOCAB, WIDTH))
   state = tx.init(params)

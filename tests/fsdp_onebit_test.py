@@ -308,3 +308,25 @@ def test_the_carried_errors_bad_input_says_what_to_do():
     qsgd_jax.keep_fsdp_onebit_error(lambda p: (), freeze_step=0)
   with pytest.raises(TypeError, match="worker_errors must be a function"):
     qsgd_jax.keep_fsdp_onebit_error(jnp.zeros(3), freeze_step=1)
+
+
+def test_by_default_only_the_leaves_that_go_one_bit_freeze_their_variance():
+  # Under shard_map: a sharded kernel whose whole size reaches the gather's threshold
+  # freezes (its shard alone would not); a shard of a small leaf and a small replicated bias
+  # keep Adam's variance, as the gather sends their gradients in float32.
+  tx = qsgd_jax.scale_by_fsdp_onebit_adam(freeze_step=1, min_compressed_size=1024)
+  grads = {"kernel": jnp.ones((N * 16, 8)), "small": jnp.ones((N * 4, 8)),
+           "bias": jnp.ones(512)}
+  specs = {"kernel": P(AXIS), "small": P(AXIS), "bias": P()}
+
+  def two_updates(grads):
+    state = tx.init(grads)
+    _, state = tx.update(grads, state)
+    _, later = tx.update(jax.tree.map(lambda g: 3 * g, grads), state)
+    return jax.tree.map(lambda a, b: jnp.all(a == b)[None], later.nu, state.nu)
+
+  grads = jax.device_put(grads, jax.tree.map(lambda spec: NamedSharding(MESH, spec), specs))
+  frozen = jax.jit(jax.shard_map(two_updates, mesh=MESH, in_specs=(specs,),
+                                 out_specs=P(AXIS)))(grads)
+  assert {name: bool(np.all(np.asarray(kept))) for name, kept in frozen.items()} == {
+      "kernel": True, "small": False, "bias": False}

@@ -378,6 +378,7 @@ class FSDPOneBitAdamState(NamedTuple):
 def scale_by_fsdp_onebit_adam(
     *, freeze_step: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     bias_correction: bool = True, frozen_mask=None,
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
 ) -> optax.GradientTransformation:
   r"""Adam's scaling of averaged gradient shards, the variance frozen after ``freeze_step``.
 
@@ -406,20 +407,33 @@ def scale_by_fsdp_onebit_adam(
       ``compress=step >= freeze_step`` to :func:`fsdp_onebit_gather`.
     b1, b2, eps, bias_correction: Adam's.
     frozen_mask: a pytree of bools like the parameters (or a callable of
-      them): the leaves whose gradient goes 1-bit, whose variance freezes;
-      ``None``: every leaf.
+      them): the leaves whose gradient goes 1-bit, whose variance freezes.
+      ``None``: the leaves :func:`fsdp_onebit_gather` sends in one bit, those
+      of at least ``min_compressed_size`` elements whole; the others take
+      Adam's float32 steps throughout, as :func:`~qsgd_jax.onebit_adam`'s
+      small leaves do. Under ``jax.shard_map`` a leaf's whole size is its
+      shard's times the sizes of the axes its gradient varies over (a
+      replicated leaf's, the same on every device, is its own size: one of
+      that many elements freezes too, though its gradient is float32);
+      elsewhere, the size of the array the update sees. Under ``jax.pmap``,
+      which sees shards and does not type them, pass the mask.
+    min_compressed_size: the gather's, for the ``None`` mask.
 
   Returns:
     An ``optax.GradientTransformation``.
 
   Examples:
-    >>> import jax.numpy as jnp, qsgd_jax
+    >>> import jax, jax.numpy as jnp, qsgd_jax
     >>> tx = qsgd_jax.scale_by_fsdp_onebit_adam(freeze_step=1)
-    >>> state = tx.init(jnp.zeros(2))
-    >>> _, state = tx.update(jnp.array([1.0, 2.0]), state)  # Warm-up: v moves.
-    >>> _, frozen = tx.update(jnp.array([5.0, 5.0]), state)  # Frozen: v stays.
-    >>> bool(jnp.all(frozen.nu == state.nu))
+    >>> params = {"kernel": jnp.zeros((64, 128)), "bias": jnp.zeros(128)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state)  # Warm-up: v moves.
+    >>> _, frozen = tx.update(jax.tree.map(lambda x: x + 5, params), state)
+    >>> # The kernel's variance stays; the bias, too small to go 1-bit, keeps Adam's.
+    >>> bool(jnp.all(frozen.nu["kernel"] == state.nu["kernel"]))
     True
+    >>> bool(jnp.all(frozen.nu["bias"] == state.nu["bias"]))
+    False
   """
   owner = "qsgd_jax.scale_by_fsdp_onebit_adam"
   if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
@@ -437,7 +451,7 @@ def scale_by_fsdp_onebit_adam(
     mask = frozen_mask(params if params is not None else updates) if callable(
         frozen_mask) else frozen_mask
     if mask is None:
-      mask = jax.tree.map(lambda _: True, updates)
+      mask = jax.tree.map(lambda g: _whole_size(g) >= min_compressed_size, updates)
     frozen = state.count >= freeze_step
     count = optax.safe_increment(state.count)
     mu = optax.tree.update_moment(updates, state.mu, b1, 1)
@@ -460,10 +474,17 @@ def scale_by_fsdp_onebit_adam(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _whole_size(gradient) -> int:
+  """Elements of the whole parameter of a gradient shard: times the axes it varies over."""
+  varying = jax.typeof(gradient).manual_axis_type.varying
+  return math.prod(jnp.shape(gradient)) * math.prod(jax.lax.axis_size(a) for a in varying)
+
+
 def fsdp_onebit_adam(
     learning_rate: optax.ScalarOrSchedule, *, freeze_step: int, b1: float = 0.9,
     b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, mask=None,
     bias_correction: bool = True, frozen_mask=None, worker_errors=None,
+    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
 ) -> optax.GradientTransformation:
   """1-bit Adam for FSDP: AdamW on the shards, its variance frozen after the warm-up.
 
@@ -484,8 +505,8 @@ def fsdp_onebit_adam(
 
   Args:
     learning_rate: a float or an optax schedule.
-    freeze_step, b1, b2, eps, bias_correction, frozen_mask: see
-      :func:`scale_by_fsdp_onebit_adam`.
+    freeze_step, b1, b2, eps, bias_correction, frozen_mask, min_compressed_size:
+      see :func:`scale_by_fsdp_onebit_adam`.
     weight_decay, mask: decoupled weight decay, as in ``optax.adamw``.
     worker_errors: ``None`` (the caller carries the errors), or a function of
       the shards that returns their zero worker errors, e.g.
@@ -511,7 +532,8 @@ def fsdp_onebit_adam(
   return optax.chain(
       *carried,
       scale_by_fsdp_onebit_adam(freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
-                                bias_correction=bias_correction, frozen_mask=frozen_mask),
+                                bias_correction=bias_correction, frozen_mask=frozen_mask,
+                                min_compressed_size=min_compressed_size),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
