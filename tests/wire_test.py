@@ -73,6 +73,9 @@ def test_each_branch_of_a_conditional_counts_apart():
   assert by_branch.conditionals[0] == pytest.approx((compressed, warm_up))
   assert len(by_branch.conditionals) == 1
   assert by_branch.sent(1) == pytest.approx(metrics + loop + warm_up)
+  # A step's fewest bytes take the nested conditional's branch that sends nothing.
+  assert by_branch.least == pytest.approx(metrics + loop + 7 / 8 * 128)
+  assert by_branch.most == pytest.approx(metrics + loop + warm_up)
   # wire_bytes sums every branch.
   assert qsgd_jax.wire_bytes(_SWITCHED_HLO) == pytest.approx(
       by_branch.unconditional + compressed + warm_up)
@@ -117,6 +120,8 @@ def test_a_run_counts_the_branch_each_step_took(make, switch):
   assert sorted(by_branch.conditionals[0]) == [pytest.approx(compressed, rel=1e-6),
                                                pytest.approx(warm, rel=1e-6)]
   assert by_branch.unconditional == 0
+  assert (by_branch.least, by_branch.most) == (pytest.approx(compressed, rel=1e-6),
+                                               pytest.approx(warm, rel=1e-6))
   assert qsgd_jax.wire_bytes(hlo) == pytest.approx(warm + compressed, rel=1e-6)
 
 

@@ -105,18 +105,15 @@ def bytes_per_step(run: dict) -> float:
 def hlo_bytes_range(run: dict) -> tuple[float, float]:
   """The fewest and most bytes a step of the compiled program can send.
 
-  Every collective outside a conditional, plus each conditional's lightest
-  (heaviest) branch: a compressed Adam's 1-bit step and its float32 warm-up.
-  A run recorded before ``hlo_wire_bytes_by_branch`` reads its one figure,
-  the sum of all branches, for both.
+  ``qsgd_jax.wire_bytes_by_branch``'s ``least`` and ``most``: the lightest
+  (heaviest) branch of every conditional, nested ones included, e.g. a
+  compressed Adam's 1-bit step and its float32 warm-up. A run recorded
+  before them reads its one figure, the sum of all branches, for both.
   """
   by_branch = run.get("hlo_wire_bytes_by_branch")
   if by_branch is None:
     return (run["hlo_wire_bytes_per_step"],) * 2
-  branches = [branch for branch in by_branch["conditionals"] if branch]
-  least = by_branch["unconditional"] + sum(min(branch) for branch in branches)
-  most = by_branch["unconditional"] + sum(max(branch) for branch in branches)
-  return least, most
+  return by_branch["least"], by_branch["most"]
 
 
 def _hlo_cell(run: dict) -> str:

@@ -565,8 +565,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     all-reduce of the gradients), ``hlo_wire_bytes_per_step`` (every
     collective of the compiled step, every branch of a switch included),
     ``hlo_wire_bytes_by_branch`` (``unconditional``, what every step sends,
-    and ``conditionals``, each switch's branches' bytes:
-    :func:`qsgd_jax.wire_bytes_by_branch`), tokens a second and timings.
+    ``conditionals``, each switch's branches' bytes, ``least`` and ``most``,
+    the fewest and most a step sends: :func:`qsgd_jax.wire_bytes_by_branch`),
+    tokens a second and timings.
   """
   model, _, _, mapped = programs(config)
   workdir = pathlib.Path(workdir)
@@ -687,7 +688,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
       "hlo_wire_bytes_by_branch": {"unconditional": by_branch.unconditional,
-                                   "conditionals": [list(c) for c in by_branch.conditionals]},
+                                   "conditionals": [list(c) for c in by_branch.conditionals],
+                                   "least": by_branch.least, "most": by_branch.most},
       "tokens_per_second": ((num_steps - first_step) * tokens_per_step / train_seconds
                             if train_seconds else None),
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,

@@ -238,8 +238,9 @@ def test_a_run_writes_its_metrics_and_summary(runs):
     assert summary["hlo_wire_bytes_per_step"] >= summary["wire_bytes_per_step"]
     # A step sends what runs on every step plus one branch of each switch.
     by_branch = summary["hlo_wire_bytes_by_branch"]
-    assert by_branch["unconditional"] + sum(map(max, by_branch["conditionals"])) >= (
-        summary["wire_bytes_per_step"])
+    assert by_branch["most"] >= summary["wire_bytes_per_step"]
+    assert by_branch["unconditional"] <= by_branch["least"] <= by_branch["most"] <= (
+        summary["hlo_wire_bytes_per_step"])
     keys += ["wire_bytes", "compression_ratio"]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   train_records = [r for r in records if "loss" in r]
@@ -315,11 +316,12 @@ def test_the_comparison_reads_a_switched_step_as_its_lightest_and_heaviest_branc
 
   run = {"mode": "onebit_adam", "eval_loss": 1.9, "final_train_loss": 1.8,
          "wire_bytes_per_step": 130.0, "hlo_wire_bytes_per_step": 3_555.0,
-         "hlo_wire_bytes_by_branch": {"unconditional": 10.0, "conditionals": [[3_400.0, 125.0],
-                                                                               []]},
+         "hlo_wire_bytes_by_branch": {"unconditional": 10.0, "conditionals": [[3_400.0, 125.0]],
+                                      "least": 135.0, "most": 3_410.0},
          "tokens_per_second": 1.0, "train_seconds": 1.0}
   fp32 = run | {"mode": "fp32", "wire_bytes_per_step": 3_400.0, "hlo_wire_bytes_per_step": 3_410.0,
-                "hlo_wire_bytes_by_branch": {"unconditional": 3_410.0, "conditionals": []}}
+                "hlo_wire_bytes_by_branch": {"unconditional": 3_410.0, "conditionals": [],
+                                             "least": 3_410.0, "most": 3_410.0}}
   assert compare.hlo_bytes_range(run) == (135.0, 3_410.0)
   assert compare.hlo_bytes_range(fp32) == (3_410.0, 3_410.0)
   older = {k: v for k, v in run.items() if k != "hlo_wire_bytes_by_branch"}

@@ -207,6 +207,10 @@ class BranchWireBytes(NamedTuple):
       branch-index order: ``jax.lax.switch``'s branches; ``(false_fun, true_fun)`` for
       ``jax.lax.cond``. A conditional nested in a branch counts in that
       branch with all of its own branches summed.
+    least: the fewest bytes a step can send: the cheapest branch of every
+      conditional, nested ones included.
+    most: the most bytes a step can send: the costliest branch of every
+      conditional, nested ones included.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -224,10 +228,14 @@ class BranchWireBytes(NamedTuple):
     [2048, 4096]
     >>> by_branch.sent(1) == by_branch.unconditional + by_branch.conditionals[0][1]
     True
+    >>> by_branch.least == by_branch.sent(0) and by_branch.most == by_branch.sent(1)
+    True
   """
 
   unconditional: float
   conditionals: tuple[tuple[float, ...], ...]
+  least: float
+  most: float
 
   def sent(self, *branches: int) -> float:
     """Bytes of a step that takes branch ``branches[k]`` of conditional ``k``, for each ``k``."""
@@ -278,7 +286,8 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
     else:
       computations[current].append(line)
   if entry is None:
-    return BranchWireBytes(wire_bytes(hlo_text), ())
+    total = wire_bytes(hlo_text)
+    return BranchWireBytes(total, (), total, total)
 
   def branches_of(line: str) -> list[str] | None:
     if " conditional(" not in line:
@@ -315,9 +324,27 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
     nested: list[tuple[float, ...]] = []
     return walk(name, nested, depth) + sum(sum(branches) for branches in nested)
 
+  def extremes(name: str, depth: int = 0) -> tuple[float, float]:
+    """The fewest and most bytes ``name`` sends, each conditional's branch chosen so."""
+    if depth > len(computations):
+      raise ValueError(f"The HLO's computations call each other in a cycle through {name}.")
+    least = most = 0.0
+    for line in computations.get(name, ()):
+      if (collective := _collective(line, devices)) is not None:
+        least, most = least + collective.bytes_sent, most + collective.bytes_sent
+      if (branches := branches_of(line)) is not None:
+        paths = [extremes(branch, depth + 1) for branch in branches]
+        least += min(low for low, _ in paths)
+        most += max(high for _, high in paths)
+        continue
+      for callee in callees(line):
+        low, high = extremes(callee, depth + 1)
+        least, most = least + low, most + high
+    return least, most
+
   conditionals: list[tuple[float, ...]] = []
   unconditional = walk(entry, conditionals)
-  return BranchWireBytes(unconditional, tuple(conditionals))
+  return BranchWireBytes(unconditional, tuple(conditionals), *extremes(entry))
 
 
 def _names(listed: str) -> list[str]:
