@@ -260,20 +260,31 @@ def zero_one_adam(
     grads, treedef = jax.tree.flatten(updates)
     step = zero_one_step.Step(settings, state, grads, jax.tree.leaves(params),
                               _decayed(mask, params, len(grads)), leaves, sizes).run()
-    count, compressed = optax.safe_increment(state.count), leaves.compressed
+    # A non-finite step leaves the state as it was (the moments, accumulator and errors
+    # already chosen inside the step's branch), on every device together.
+    finite, compressed = step.finite, leaves.compressed
+    count = jnp.where(finite, optax.safe_increment(state.count), state.count)
     frozen = state.count >= state.freeze_count
-
     freeze_count, history = state.freeze_count, state.variance_history
     if auto:
       history, freeze_count = auto.update(
           history, freeze_count, variances=[step.nu[i] for i in compressed],
-          updates_seen=step.variance_updates, recorded=step.variance_updated & step.finite,
+          updates_seen=step.variance_updates, recorded=step.variance_updated & finite,
           count=count, b2=b2, bias_correction=bias_correction)
+      freeze_count = jnp.where(finite, freeze_count, state.freeze_count)
+      history = common.tree_select(finite, history, state.variance_history)
     # zoadam.py 310-317: the errors start afresh when the variance freezes.
-    freezing = jnp.logical_not(frozen) & (count >= freeze_count)
+    freezing = finite & jnp.logical_not(frozen) & (count >= freeze_count)
     worker_error, server_error = jax.tree.map(lambda e: jnp.where(freezing, 0.0, e),
                                               (step.worker_error, step.server_error))
-    finite = step.finite
+    counters = common.tree_select(
+        finite,
+        (step.variance_interval, step.variance_counter, step.variance_updates,
+         step.local_interval, step.local_counter, step.learning_rate_sum),
+        (state.variance_interval, state.variance_counter, state.variance_updates,
+         state.local_interval, state.local_counter, state.learning_rate_sum))
+    (variance_interval, variance_counter, variance_updates, local_interval, local_counter,
+     learning_rate_sum) = counters
     new_state = ZeroOneAdamState(
         count=count,
         mu=jax.tree.unflatten(treedef, step.mu),
@@ -281,20 +292,16 @@ def zero_one_adam(
         accumulator=step.accumulator,
         worker_error=worker_error,
         server_error=server_error,
-        variance_interval=step.variance_interval,
-        variance_counter=step.variance_counter,
-        variance_updates=step.variance_updates,
-        local_interval=step.local_interval,
-        local_counter=step.local_counter,
-        learning_rate_sum=step.learning_rate_sum,
+        variance_interval=variance_interval,
+        variance_counter=variance_counter,
+        variance_updates=variance_updates,
+        local_interval=local_interval,
+        local_counter=local_counter,
+        learning_rate_sum=learning_rate_sum,
         freeze_count=freeze_count,
         variance_history=history,
         stats=_stats(step.sent, leaves, layout, sizes),
     )
-    # A non-finite step keeps the state (but the stats) on every device together; chosen
-    # field by field, where XLA fuses the choice into what computes each.
-    kept = state._replace(stats=new_state.stats)
-    new_state = common.tree_select(finite, new_state, kept)
     out = [common.zero_update(g) if d is None
            else jnp.where(finite, d, jnp.zeros((), jnp.float32)).astype(jnp.result_type(g))
            for g, d in zip(grads, step.deltas, strict=True)]

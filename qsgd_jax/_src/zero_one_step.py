@@ -138,7 +138,20 @@ class Step:
   def run(self) -> Outcome:
     """The update's :class:`Outcome`: before the freeze or after, as the count says."""
     frozen = self.state.count >= self.state.freeze_count
-    return jax.lax.cond(frozen, self.frozen, self.warm, None)
+    return jax.lax.cond(frozen, lambda _: self.kept(self.frozen(_)),
+                        lambda _: self.kept(self.warm(_)), None)
+
+  def kept(self, outcome: Outcome) -> Outcome:
+    """``outcome`` whose moments, accumulator and errors are the state's if the step is not
+    finite: chosen inside each branch, where XLA fuses the choice into what computes them."""
+    state = self.state
+    mu, nu, accumulator, worker_error, server_error = common.tree_select(
+        outcome.finite,
+        (outcome.mu, outcome.nu, outcome.accumulator, outcome.worker_error,
+         outcome.server_error),
+        (self.mu, self.nu, state.accumulator, state.worker_error, state.server_error))
+    return outcome._replace(mu=mu, nu=nu, accumulator=accumulator, worker_error=worker_error,
+                            server_error=server_error)
 
   # The arithmetic every phase shares.
 
