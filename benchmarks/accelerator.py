@@ -36,6 +36,12 @@ default device it measures, and writes as JSON and a markdown table to
    all-reduce) and the projected step at 10, 100 and 400 Gbit/s a node, for 8
    and 64 devices: the one-device step plus the ring's wire time.
 
+Each kernel is timed as the median of 10 samples, a sample enough calls
+dispatched back to back to last a millisecond (a 0.04 ms kernel timed one
+call at a time would time the host's dispatch and wait instead). A Pallas
+kernel that fails to lower on the device is a row with its error; the XLA
+rows are measured still.
+
 It prints the table and the issue's targets: encode+decode of QSGD 4-bit and
 1-bit, and the exchange's pack and unpack, at >= 60% of the copy's bandwidth;
 each mode's step at most 10% above AdamW's.
