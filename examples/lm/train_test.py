@@ -290,6 +290,27 @@ def test_a_resumed_run_equals_an_uninterrupted_run(runs):
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
 
 
+def test_a_resumed_diloco_run_equals_an_uninterrupted_one(tmp_path):
+  """DiLoCo resumed from step 4 of 6, mid-round (syncs at 3 and 6): the global parameters,
+  every worker's inner state and the outer average's error feedback come back bit for bit."""
+  config = _config("fp32", "shard_map", "diloco")
+  config.diloco_workers, config.sync_every, config.outer_average = 2, 3, "qsgd4_ef"
+  uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+  train.train_and_evaluate(config, str(uninterrupted))
+  shutil.copytree(uninterrupted / "checkpoints" / "4", interrupted / "checkpoints" / "4")
+  records = (uninterrupted / "metrics.jsonl").read_text().splitlines()
+  (interrupted / "metrics.jsonl").write_text(
+      "".join(line + "\n" for line in records if json.loads(line)["step"] <= 5))
+  assert train.train_and_evaluate(config, str(interrupted))["first_step"] == 4
+  final, resumed = _checkpoint(uninterrupted, 6), _checkpoint(interrupted, 6)
+  assert jax.tree.structure(resumed) == jax.tree.structure(final)
+  for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(final), strict=True):
+    np.testing.assert_array_equal(got, expected)
+  residuals = _fields_named(_checkpoint(uninterrupted, 4)["opt_state"], "local_error")
+  assert residuals and any(np.asarray(r).any() for r in residuals)  # Saved mid-round.
+  assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
+
+
 def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   """``--config.optimizer=diloco``: 2 workers of 4 devices, a sync every 3 steps of 6, the
   outer gradients in 4 bits with error feedback."""
