@@ -95,11 +95,12 @@ def _summary(run_dir: pathlib.Path) -> dict | None:
 
 def bytes_per_step(run: dict) -> float:
   """What one device sends a step by the optimizer's account, else the HLO's: DiLoCo's mean
-  over the run (across workers, nothing between syncs), any other's in the last step."""
+  over the run (across workers, nothing between syncs), any other's in the last step (from
+  the HLO, a switched step's fewest: FSDP 1-bit Adam's after its freeze)."""
   if run.get("optimizer") == "diloco":
     return run["mean_wire_bytes_per_step"]
   wire = run["wire_bytes_per_step"]
-  return run["hlo_wire_bytes_per_step"] if wire is None else wire
+  return hlo_bytes_range(run)[0] if wire is None else wire
 
 
 def hlo_bytes_range(run: dict) -> tuple[float, float]:
@@ -136,7 +137,8 @@ def table(runs: list[dict]) -> str:
 
   "bytes/step" is what the last step sent by the optimizer's own account
   (:func:`qsgd_jax.compression_stats`; after a compressed Adam's freeze, its
-  1-bit step), else the compiled step's HLO bytes. "HLO bytes/step" is every
+  1-bit step), else the compiled step's HLO bytes (a switched step's fewest,
+  its compressed branch: FSDP 1-bit Adam's after the freeze). "HLO bytes/step" is every
   collective of the compiled step, the fewest and the most a step sends: a
   switched program (a compressed Adam's warm-up and 1-bit steps, PowerSGD's
   exact and compressed steps) runs one branch of its switch a step. For
