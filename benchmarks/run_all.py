@@ -54,6 +54,9 @@ SUITE = (
      "compressed_adam_bytes.py", False, [], ["--steps", "60", "--freeze-step", "20"]),
     ("Compressed Adam: what a step computes against AdamW (2 simulated CPU devices)",
      "compressed_adam_step.py", False, [], ["--repeats", "3"]),
+    ("Compressed Adam on a small batch: the freeze, the clipping or the bits (2 simulated CPU "
+     "devices)", "freeze_or_compression.py", False, ["--seeds", "0", "1", "2"],
+     ["--modes", "adamw", "frozen_variance"]),
     ("Error of the mean against bytes, by reduction method", "reduction_methods.py", False,
      [], ["--size", "65536", "--keys", "4"]),
     ("Alpha-beta cost model", "cost_model.py", False,
