@@ -33,6 +33,13 @@ class FSDPOneBitErrorState(NamedTuple):
       parameters, :func:`~qsgd_jax.fsdp_onebit_error`'s ``float32[n, width]``).
     warm_up_left: ``int32[]``, float32 steps left before the gradient goes
       1-bit; the step whose value is 0 compresses.
+
+  Examples:
+    >>> import jax.numpy as jnp, qsgd_jax
+    >>> tx = qsgd_jax.keep_fsdp_onebit_error(lambda p: jnp.zeros((2, 3)), freeze_step=10)
+    >>> state = tx.init(jnp.zeros(3))
+    >>> state.worker_error.shape, int(state.warm_up_left)
+    ((2, 3), 10)
   """
 
   worker_error: Any
@@ -125,6 +132,14 @@ def fsdp_onebit_step_inputs(opt_state) -> tuple[Any, jax.Array]:
   Raises:
     ValueError: ``opt_state`` holds no such state (the optimizer was built
       without ``worker_errors=``) or several.
+
+  Examples:
+    >>> import jax.numpy as jnp, qsgd_jax
+    >>> tx = qsgd_jax.fsdp_onebit_adam(1e-3, freeze_step=2,
+    ...                                worker_errors=lambda p: {"w": jnp.zeros((2, 3))})
+    >>> error, compress = qsgd_jax.fsdp_onebit_step_inputs(tx.init(jnp.zeros(3)))
+    >>> error["w"].shape, bool(compress)
+    ((2, 3), False)
   """
   found = [node for node in jax.tree.leaves(
       opt_state, is_leaf=lambda node: isinstance(node, FSDPOneBitErrorState))
