@@ -260,8 +260,8 @@ def zero_one_adam(
     grads, treedef = jax.tree.flatten(updates)
     step = zero_one_step.Step(settings, state, grads, jax.tree.leaves(params),
                               _decayed(mask, params, len(grads)), leaves, sizes).run()
-    # A non-finite step leaves the state as it was (the moments, accumulator and errors
-    # already chosen inside the step's branch), on every device together.
+    # A non-finite step leaves the state as it was (the moments, accumulator, errors and
+    # counters already chosen inside the step's branch), on every device together.
     finite, compressed = step.finite, leaves.compressed
     count = jnp.where(finite, optax.safe_increment(state.count), state.count)
     frozen = state.count >= state.freeze_count
@@ -277,14 +277,6 @@ def zero_one_adam(
     freezing = finite & jnp.logical_not(frozen) & (count >= freeze_count)
     worker_error, server_error = jax.tree.map(lambda e: jnp.where(freezing, 0.0, e),
                                               (step.worker_error, step.server_error))
-    counters = common.tree_select(
-        finite,
-        (step.variance_interval, step.variance_counter, step.variance_updates,
-         step.local_interval, step.local_counter, step.learning_rate_sum),
-        (state.variance_interval, state.variance_counter, state.variance_updates,
-         state.local_interval, state.local_counter, state.learning_rate_sum))
-    (variance_interval, variance_counter, variance_updates, local_interval, local_counter,
-     learning_rate_sum) = counters
     new_state = ZeroOneAdamState(
         count=count,
         mu=jax.tree.unflatten(treedef, step.mu),
@@ -292,12 +284,12 @@ def zero_one_adam(
         accumulator=step.accumulator,
         worker_error=worker_error,
         server_error=server_error,
-        variance_interval=variance_interval,
-        variance_counter=variance_counter,
-        variance_updates=variance_updates,
-        local_interval=local_interval,
-        local_counter=local_counter,
-        learning_rate_sum=learning_rate_sum,
+        variance_interval=step.variance_interval,
+        variance_counter=step.variance_counter,
+        variance_updates=step.variance_updates,
+        local_interval=step.local_interval,
+        local_counter=step.local_counter,
+        learning_rate_sum=step.learning_rate_sum,
         freeze_count=freeze_count,
         variance_history=history,
         stats=_stats(step.sent, leaves, layout, sizes),

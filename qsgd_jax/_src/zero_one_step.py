@@ -142,16 +142,14 @@ class Step:
                         lambda _: self.kept(self.warm(_)), None)
 
   def kept(self, outcome: Outcome) -> Outcome:
-    """``outcome`` whose moments, accumulator and errors are the state's if the step is not
-    finite: chosen inside each branch, where XLA fuses the choice into what computes them."""
-    state = self.state
-    mu, nu, accumulator, worker_error, server_error = common.tree_select(
-        outcome.finite,
-        (outcome.mu, outcome.nu, outcome.accumulator, outcome.worker_error,
-         outcome.server_error),
-        (self.mu, self.nu, state.accumulator, state.worker_error, state.server_error))
-    return outcome._replace(mu=mu, nu=nu, accumulator=accumulator, worker_error=worker_error,
-                            server_error=server_error)
+    """``outcome`` whose fields of the state (moments, accumulator, errors, counters) are the
+    state's if the step is not finite: chosen inside each branch, where XLA fuses the choice
+    into what computes them."""
+    old = self.state._replace(mu=self.mu, nu=self.nu)  # The moments as flat lists.
+    names = [name for name in Outcome._fields if name in old._fields]
+    chosen = common.tree_select(outcome.finite, [getattr(outcome, name) for name in names],
+                                [getattr(old, name) for name in names])
+    return outcome._replace(**dict(zip(names, chosen, strict=True)))
 
   # The arithmetic every phase shares.
 
