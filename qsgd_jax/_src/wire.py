@@ -304,47 +304,37 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
       names += _names(listed)
     return [name for name in names if name in computations]
 
-  def walk(name: str, found: list[tuple[float, ...]], depth: int = 0) -> float:
-    """Bytes of ``name`` outside its conditionals; each conditional's branches into ``found``."""
+  def walk(name: str, found: list[tuple[float, ...]],
+           depth: int = 0) -> tuple[float, float, float]:
+    """Bytes ``name`` sends outside its conditionals, and in all, the cheapest and the
+    costliest branch of each conditional taken; each conditional's branches into ``found``
+    (a nested one's branches summed in its branch)."""
     if depth > len(computations):
       raise ValueError(f"The HLO's computations call each other in a cycle through {name}.")
-    total = 0.0
+    outside = least = most = 0.0
     for line in computations.get(name, ()):
       if (collective := _collective(line, devices)) is not None:
-        total += collective.bytes_sent
+        outside, least, most = (x + collective.bytes_sent for x in (outside, least, most))
       if (branches := branches_of(line)) is not None:
-        sent = tuple(everything(branch, depth + 1) for branch in branches)
+        sent, lows, highs = [], [], []
+        for branch in branches:
+          nested: list[tuple[float, ...]] = []
+          branch_outside, low, high = walk(branch, nested, depth + 1)
+          sent.append(branch_outside + sum(sum(n) for n in nested))
+          lows.append(low)
+          highs.append(high)
         if any(sent):
-          found.append(sent)
-        continue
-      total += sum(walk(callee, found, depth + 1) for callee in callees(line))
-    return total
-
-  def everything(name: str, depth: int) -> float:
-    nested: list[tuple[float, ...]] = []
-    return walk(name, nested, depth) + sum(sum(branches) for branches in nested)
-
-  def extremes(name: str, depth: int = 0) -> tuple[float, float]:
-    """The fewest and most bytes ``name`` sends, each conditional's branch chosen so."""
-    if depth > len(computations):
-      raise ValueError(f"The HLO's computations call each other in a cycle through {name}.")
-    least = most = 0.0
-    for line in computations.get(name, ()):
-      if (collective := _collective(line, devices)) is not None:
-        least, most = least + collective.bytes_sent, most + collective.bytes_sent
-      if (branches := branches_of(line)) is not None:
-        paths = [extremes(branch, depth + 1) for branch in branches]
-        least += min(low for low, _ in paths)
-        most += max(high for _, high in paths)
+          found.append(tuple(sent))
+        least, most = least + min(lows), most + max(highs)
         continue
       for callee in callees(line):
-        low, high = extremes(callee, depth + 1)
-        least, most = least + low, most + high
-    return least, most
+        callee_outside, low, high = walk(callee, found, depth + 1)
+        outside, least, most = outside + callee_outside, least + low, most + high
+    return outside, least, most
 
   conditionals: list[tuple[float, ...]] = []
-  unconditional = walk(entry, conditionals)
-  return BranchWireBytes(unconditional, tuple(conditionals), *extremes(entry))
+  unconditional, least, most = walk(entry, conditionals)
+  return BranchWireBytes(unconditional, tuple(conditionals), least, most)
 
 
 def _names(listed: str) -> list[str]:
