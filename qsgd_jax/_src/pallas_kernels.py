@@ -336,10 +336,8 @@ def sign_unpack_rows(words: jax.Array, scales: jax.Array, *, interpret: bool) ->
 def _unpacked_signs(words: jax.Array, scales: jax.Array) -> jax.Array:
   """The XLA way of :func:`sign_unpack_rows`, ``scales`` as ``float32[rows, 1]``."""
   rows, row_words = words.shape
-  offsets = _uint32(jnp.arange(_WORD_BITS, dtype=jnp.int32))[None, None, :]
-  bits = (words[:, :, None] >> offsets) & jnp.uint32(1)
-  plus_minus = jnp.where(bits != 0, jnp.float32(1), jnp.float32(-1))
-  return (plus_minus * scales[:, :, None]).reshape(rows, row_words * _WORD_BITS)
+  bits = packing.unpack(words.reshape(-1), words.size * _WORD_BITS, 1).reshape(rows, -1)
+  return jnp.where(bits != 0, jnp.float32(1), jnp.float32(-1)) * scales
 
 
 def seed_words(key: jax.Array) -> jax.Array:
