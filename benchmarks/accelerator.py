@@ -156,9 +156,15 @@ def _rate(traffic_bytes: float, seconds: float, copy_gb_per_s: float, peak) -> d
           "of_datasheet": None if peak is None else gb_per_s / peak}
 
 
-def _pallas_failure(error: Exception) -> dict:
-  """A fused kernel's row when Pallas could not lower or run it here: the XLA rows go on."""
-  return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+def _measured(name: str, measure) -> dict:
+  """``measure()``'s row; for a fused kernel (``..._pallas``) that Pallas could not lower or
+  run here, a row with the error, so that the XLA rows go on."""
+  try:
+    return measure()
+  except Exception as error:  # noqa: BLE001  (only the fused kernels' failures are rows)
+    if not name.endswith("_pallas"):
+      raise
+    return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
 
 
 def _fused_compressor(compressor):
@@ -187,9 +193,11 @@ def kernels(size: int, repeats: int, peak) -> dict:
     for label, (encode, decode) in variants.items():
       encode, decode = jax.jit(encode), jax.jit(decode)
       round_trip = jax.jit(lambda key, x, e=encode, d=decode: d(e(key, x)))
-      try:
+
+      def measure(encode=encode, decode=decode, round_trip=round_trip,
+                  payload_bytes=payload_bytes):
         payload = encode(key, x)
-        out[label] = {
+        return {
             "encode": _rate(nbytes + payload_bytes, _seconds(encode, (key, x), repeats),
                             copy_gb_per_s, peak),
             "decode": _rate(payload_bytes + nbytes, _seconds(decode, (payload,), repeats),
@@ -198,10 +206,8 @@ def kernels(size: int, repeats: int, peak) -> dict:
                                    _seconds(round_trip, (key, x), repeats), copy_gb_per_s,
                                    peak),
         }
-      except Exception as error:  # noqa: BLE001  (only the fused kernels' failures are rows)
-        if not label.endswith("_pallas"):
-          raise
-        out[label] = _pallas_failure(error)
+
+      out[label] = _measured(label, measure)
   return out
 
 
@@ -237,15 +243,9 @@ def exchange_kernels(parameters: int, repeats: int, copy_gb_per_s: float, peak) 
     variants["unpack_pallas"] = (
         lambda rows, scales: pallas_kernels.sign_unpack_rows(rows, scales, interpret=False),
         (rows, scales), n / 8 + 4 * n)
-  out = {}
-  for name, (fn, args, traffic) in variants.items():
-    try:
-      out[name] = _rate(traffic, _seconds(jax.jit(fn), args, repeats), copy_gb_per_s, peak)
-    except Exception as error:  # noqa: BLE001  (only the fused kernels' failures are rows)
-      if not name.endswith("_pallas"):
-        raise
-      out[name] = _pallas_failure(error)
-  return out
+  return {name: _measured(name, lambda fn=fn, args=args, traffic=traffic: _rate(
+      traffic, _seconds(jax.jit(fn), args, repeats), copy_gb_per_s, peak))
+          for name, (fn, args, traffic) in variants.items()}
 
 
 def _one_device_mesh():
