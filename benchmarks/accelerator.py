@@ -249,7 +249,13 @@ def exchange_kernels(parameters: int, repeats: int, copy_gb_per_s: float, peak) 
 
 
 def _one_device_mesh():
-  return jax.make_mesh((1,), (AXIS,), devices=jax.devices()[:1])
+  """A mesh of the device programs run on now: ``jax.default_device``'s, else the first.
+
+  ``--check`` runs each program under ``jax.default_device`` of the accelerator,
+  then of the CPU: a mesh of ``jax.devices()[:1]`` would put both runs on the
+  accelerator."""
+  device = jax.config.jax_default_device or jax.devices()[0]
+  return jax.make_mesh((1,), (AXIS,), devices=[device])
 
 
 def _one_device_step(tx, params, gradient_fn):
@@ -612,6 +618,9 @@ def _check_programs() -> dict:
           axis_size=1)), False),
       "powersgd": (optimizer(optax.chain(qsgd_jax.powersgd(AXIS, rank=2, start_iter=POWERSGD_START),
                                          optax.sgd(1e-2))), False),
+      # Rank 4: LAPACK's QR on the CPU, Gram-Schmidt twice elsewhere (low_rank.orthogonalize).
+      "powersgd_rank4": (optimizer(optax.chain(
+          qsgd_jax.powersgd(AXIS, rank=4, start_iter=POWERSGD_START), optax.sgd(1e-2))), False),
   }
 
 

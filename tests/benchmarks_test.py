@@ -5,6 +5,7 @@ import json
 import math
 import pathlib
 
+import jax
 import pytest
 
 _BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
@@ -92,9 +93,29 @@ def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys)
       "qsgd_4bit step over AdamW's"}
   assert "| target | figure | goal | met |" in capsys.readouterr().out
 
+  other = jax.devices()[-1]  # --check's CPU run: its programs must run where it says.
+  with jax.default_device(other):
+    assert accelerator._one_device_mesh().devices.ravel().tolist() == [other]
+    params = accelerator._check_programs()["powersgd_rank4"][0]()
+    assert all(leaf.devices() == {other} for leaf in jax.tree.leaves(params))
+
   checks = accelerator._check_programs()
   monkeypatch.setattr(accelerator, "_check_programs", lambda: {
       "qsgd_4bit_encode": checks["qsgd_4bit_encode"]})
   accelerator.main(["--check", "--out", str(tmp_path)])
   report = json.loads((tmp_path / "accelerator_check.json").read_text())
   assert all(row["passed"] for row in report["checks"].values())
+
+
+def test_step_profile_names_each_modes_kernels_by_their_jax_operation(tmp_path):
+  step_profile = _load("step_profile")
+  step_profile.main(["--small", "--modes", "powersgd", "--repeats", "1", "--traced", "1",
+                     "--out", str(tmp_path / "profile.json")])
+  record = json.loads((tmp_path / "profile.json").read_text())
+  powersgd = record["modes"]["powersgd"]
+  assert set(record["modes"]) == {"adamw", "powersgd"}
+  assert 0 < powersgd["traced_ms"] and 0 < powersgd["step_ms"]
+  # PowerSGD's own work (its QR on the CPU) is found under its name, the model's under the model's.
+  assert any("qr" in op for op in powersgd["operations"])
+  assert any("TransformerLM" in op for op in record["modes"]["adamw"]["operations"])
+  assert not any(op.startswith(("conditional", "while")) for op in powersgd["operations"])

@@ -443,6 +443,45 @@ def test_qr_of_a_group_on_every_device_at_once_does_not_deadlock():
                               jnp.linalg.qr(matrices, mode="reduced")[0])
 
 
+def test_off_the_cpu_rank_above_two_orthogonalizes_by_gram_schmidt_twice(monkeypatch):
+  # Nearly rank one, as a gradient's P often is: one pass leaves the columns 1e-4 from
+  # orthogonal in float32, the second brings them to QR's precision, and they span the
+  # columns float64's QR finds (float32's QR itself is 2e-5 off here).
+  rng = np.random.default_rng(8)
+  matrices = jnp.asarray(rng.normal(size=(3, 2048, 1)) + 1e-3 * rng.normal(size=(3, 2048, 4)),
+                         jnp.float32)
+
+  def distance_from_orthonormal(q):
+    q = np.asarray(q, np.float64)
+    return np.abs(np.einsum("bnr,bns->brs", q, q) - np.eye(q.shape[-1])).max()
+
+  once = low_rank._gram_schmidt(matrices, 0.0)
+  twice = jax.jit(low_rank.gram_schmidt_twice)(matrices)
+  exact = np.linalg.qr(np.asarray(matrices, np.float64), mode="reduced")[0]
+  assert distance_from_orthonormal(once) > 1e-5
+  assert distance_from_orthonormal(twice) <= 1e-6
+  np.testing.assert_allclose(np.einsum("bnr,bmr->bnm", np.asarray(twice, np.float64), twice),
+                             np.einsum("bnr,bmr->bnm", exact, exact), atol=1e-6)
+
+  # PowerSGD's steps with it equal those with QR (P Q^T is the projection onto the span).
+  grads = {"w": jnp.asarray(rng.normal(size=(96, 64)), jnp.float32)}
+  tx = qsgd_jax.powersgd(None, rank=4, start_iter=2)
+
+  def run():
+    state, outs = tx.init(grads), []
+    for i in range(5):
+      out, state = jax.jit(tx.update)(jax.tree.map(lambda g: g * (i + 1), grads), state)
+      outs.append(out)
+    return outs
+
+  with_qr = run()
+  with monkeypatch.context() as patch:
+    patch.setattr(low_rank, "orthogonalize", lambda m, epsilon: (
+        low_rank.gram_schmidt_twice(m) if m.shape[-1] > 2 else low_rank._gram_schmidt(m, epsilon)))
+    with_gram_schmidt = run()
+  chex.assert_trees_all_close(with_gram_schmidt, with_qr, rtol=1e-4, atol=1e-5)
+
+
 def test_bfloat16_leaves_are_computed_in_float32_and_cast_back():
   tx = qsgd_jax.powersgd(None, start_iter=2)
   rng = np.random.default_rng(3)

@@ -72,7 +72,8 @@ def powersgd(
     the state alone;
   * then each compressed leaf's matrix ``M`` (its gradient plus its error) is
     sent as two factors: ``P = M Q`` is summed over the devices and
-    orthonormalized (Gram-Schmidt for ``rank <= 2``, QR above), ``Q = M^T P``
+    orthonormalized (Gram-Schmidt for ``rank <= 2``; above, QR on the CPU and
+    Gram-Schmidt twice elsewhere, both to float32 precision), ``Q = M^T P``
     is averaged, and the step returns ``P Q^T`` - the orthogonal projection
     of the devices' mean matrix onto the span of ``P``, of rank at most
     ``r``. A device sends :math:`(n + m) r` numbers for an :math:`n \times m`
