@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
 
 import qsgd_jax
@@ -114,6 +115,81 @@ def test_an_unreachable_coordination_service_is_lost(capfd):
     assert exits.done.wait(10 * _TIMEOUT)
   assert exits.codes[0] == qsgd_jax.LOST_PROCESS_EXIT_CODE
   assert "lost the coordination service (process 0)" in capfd.readouterr().err
+
+
+class _Beating:
+  """A process beating into ``store`` every tenth of a timeout, until ``stop`` is set."""
+
+  def __init__(self, store, process_id):
+    self.stop = threading.Event()
+    key = distributed._KEY + str(process_id)
+
+    def beat():
+      count = 0
+      while not self.stop.wait(_TIMEOUT / 10):
+        count += 1
+        store.key_value_set(key, str(count))
+
+    self.thread = threading.Thread(target=beat, daemon=True)
+    self.thread.start()
+
+
+_COLLECTIVE_ERROR = jax.errors.JaxRuntimeError("UNAVAILABLE: Connection reset by peer")
+
+
+def test_a_collective_error_waits_for_a_lost_processs_late_read_last_heartbeat(capfd):
+  # Process 1 is killed; its last heartbeat reaches process 2's watch only after the
+  # collective's error (a loaded host runs the heartbeat thread late), so its silence counts
+  # from then. The watch must still name it, not mark process 2 failed after a fixed wait.
+  store = _Store()
+  store.values[distributed._KEY + "1"] = "1"
+  watch, exits = _watch(store, 2, num_processes=3)
+  alive = _Beating(store, 0)
+  with pytest.raises(jax.errors.JaxRuntimeError), watch:
+    time.sleep(2 * _TIMEOUT / 10)
+    threading.Timer(0.3 * _TIMEOUT,
+                    lambda: store.values.__setitem__(distributed._KEY + "1", "2")).start()
+    raise _COLLECTIVE_ERROR
+  alive.stop.set()
+  assert exits.codes == [qsgd_jax.LOST_PROCESS_EXIT_CODE]
+  assert "process 2 of 3: lost process 1: no heartbeat for" in capfd.readouterr().err
+  assert store.values[distributed._KEY + "2"].startswith(distributed._ENDED + "lost process 1")
+
+
+def test_a_collective_error_of_this_processs_own_is_reported_once_the_others_beat():
+  store = _Store()
+  watch, exits = _watch(store, 1, num_processes=3)
+  others = [_Beating(store, 0), _Beating(store, 2)]
+  start = time.monotonic()
+  with pytest.raises(jax.errors.JaxRuntimeError), watch:
+    raise _COLLECTIVE_ERROR
+  elapsed = time.monotonic() - start
+  for other in others:
+    other.stop.set()
+  assert exits.codes == [1]
+  assert elapsed < _TIMEOUT  # Not a whole failure timeout: the others beat on.
+  word = store.values[distributed._KEY + "1"]
+  assert word.startswith(distributed._FAILED) and word.endswith("Connection reset by peer")
+
+
+def test_process_0_exits_after_the_other_survivors_have_named_the_lost_process(capfd):
+  # Process 0 hosts the coordination service: leaving first, it would take the others down
+  # (JAX aborts them) before they say why. Process 2 reaches its verdict later here.
+  store, ended = _Store(), []
+  watches = {i: qsgd_jax.ProcessWatch(store, i, 3, _TIMEOUT,
+                                      exit_fn=lambda code, i=i: ended.append((i, code)))
+             for i in (0, 2)}
+  with watches[0]:
+    time.sleep(0.3 * _TIMEOUT)
+    with watches[2]:  # Process 1 never beats.
+      deadline = time.monotonic() + 10 * _TIMEOUT
+      while len(ended) < 2 and time.monotonic() < deadline:
+        time.sleep(_TIMEOUT / 20)
+  code = qsgd_jax.LOST_PROCESS_EXIT_CODE
+  assert ended == [(2, code), (0, code)]
+  lines = capfd.readouterr().err.strip().splitlines()
+  assert all(f"process {i} of 3: lost process 1: no heartbeat for" in line
+             for i, line in zip((0, 2), lines, strict=True))
 
 
 @pytest.mark.parametrize("failure_timeout", [0, -1.0, float("nan"), "10"])

@@ -21,7 +21,8 @@ _JAX_TIMEOUTS_IN_FAILURE_TIMEOUTS = 3
 # Heartbeats a failure timeout.
 _BEATS_A_TIMEOUT = 10
 _KEY = "qsgd_jax/heartbeat/"
-_DONE, _FAILED = "done", "failed: "
+# A process's last words: left the run normally, raised, or ended it on a verdict.
+_DONE, _FAILED, _ENDED = "done", "failed: ", "ended: "
 
 
 def initialize_distributed(
@@ -55,7 +56,9 @@ def initialize_distributed(
   Process 0 hosts the coordination service: when it dies outright (its
   sockets close), JAX itself aborts the others within a second (``SIGABRT``,
   its log saying the leader task died) before the watch speaks; when it stops
-  or hangs, the watch names it.
+  or hangs, the watch names it. So that its own exit takes nobody down
+  unheard, process 0, on a verdict or a failure of its own, waits up to
+  :math:`T` for every other process still beating to leave its last word.
 
   The exit skips ``jax.distributed``'s shutdown, which would wait for the lost
   process. Restart every process to resume from the last checkpoint. A
@@ -63,9 +66,10 @@ def initialize_distributed(
   others then end at once, naming it), prints its traceback and exits with
   status 1 (or a ``SystemExit``'s status), also without that shutdown. An
   error of a collective (``jax.errors.JaxRuntimeError``, as gloo raises when a
-  peer's connection drops) first waits up to :math:`T` for the watch to name
-  a lost process. Leaving the block normally marks the process done, so that
-  the others stop watching it.
+  peer's connection drops) first waits for the watch to name a lost process,
+  or for every other process to beat again (the error is then this process's
+  own), at most :math:`3T`. Leaving the block normally marks the process
+  done, so that the others stop watching it.
 
   Each process reads everyone's heartbeat: :math:`N` small requests to the
   coordination service every :math:`T/10`, each of :math:`N` keys; for
@@ -135,6 +139,7 @@ def _client():
 class _Peer:
   value: str | None = None
   changed: float = 0.0
+  changes: int = 0  # Values seen: two after a moment prove the process beat after it.
 
 
 class ProcessWatch:
@@ -203,9 +208,13 @@ class ProcessWatch:
     if isinstance(exc, jax.errors.JaxRuntimeError):
       # A peer's loss reaches this process as a collective's error at once, and its
       # heartbeats stop: the watch names it (and exits) within a failure timeout.
-      self._verdict.wait(self.failure_timeout + 2 * self._interval)
+      self._await_verdict()
+      if self._verdict.is_set():  # The watch names the lost process and exits.
+        self._threads[1].join()
+        return False
     summary = traceback.format_exception_only(exc_type, exc)[-1].strip()
     self._stop(_FAILED + summary[:200])
+    self._linger()
     if exc_type is SystemExit:
       code = exc.code if isinstance(exc.code, int) else 1
       if not isinstance(exc.code, int):
@@ -216,6 +225,24 @@ class ProcessWatch:
     _flush()
     self._exit(code)
     return False
+
+  def _await_verdict(self) -> None:
+    """Waits for the watch to name a lost process, or until every other process has beaten
+    since now (the error is this process's own); at most JAX's backstop, :math:`3T`.
+
+    Not a fixed wait of :math:`T`: a loaded host may run the heartbeat thread late, and a
+    lost process's last heartbeat, read late, restarts its silence. A process has beaten
+    since now when its value changed twice after now: the first change may be a heartbeat
+    written before now and read after.
+    """
+    with self._lock:
+      seen = {index: peer.changes for index, peer in self._peers.items()}
+    deadline = time.monotonic() + _JAX_TIMEOUTS_IN_FAILURE_TIMEOUTS * self.failure_timeout
+    while not self._verdict.wait(self._interval / 2) and time.monotonic() < deadline:
+      with self._lock:
+        if all(_settled(peer.value) or peer.changes - seen[index] >= 2
+               for index, peer in self._peers.items()):
+          return
 
   def _stop(self, value: str) -> None:
     """Stops beating, and leaves ``value`` as this process's last word.
@@ -237,6 +264,34 @@ class ProcessWatch:
     last_word = threading.Thread(target=tell, name="qsgd_jax last heartbeat", daemon=True)
     last_word.start()
     last_word.join(timeout=4 * self._interval)
+
+  def _linger(self) -> None:
+    """In process 0, waits until every other process has left its last word or is lost.
+
+    Process 0 hosts the coordination service: once it exits, JAX aborts every
+    other process within a second (``SIGABRT``), before their watches name
+    the lost process or their own failure. Those still beating get up to
+    :math:`T` to reach their verdict (about a heartbeat after this one's) and
+    say it; a process silent for :math:`T` is lost and not waited for.
+    """
+    if self.process_id != 0:
+      return
+    deadline = time.monotonic() + self.failure_timeout
+    while time.monotonic() < deadline:
+      try:
+        entries = dict(self._client.key_value_dir_get(_KEY))
+      except Exception:  # noqa: BLE001 - the service is this process's own: nothing to wait for.
+        return
+      now = time.monotonic()
+      with self._lock:
+        for index, peer in self._peers.items():
+          value = entries.get(_KEY + str(index))
+          if value != peer.value:
+            peer.value, peer.changed = value, now
+        if all(_settled(peer.value) or now - peer.changed > self.failure_timeout
+               for peer in self._peers.values()):
+          return
+      time.sleep(self._interval / 2)
 
   def _beat_loop(self) -> None:
     while True:
@@ -260,6 +315,7 @@ class ProcessWatch:
           peer = self._peers.get(_process_of(key))
           if peer is not None and value != peer.value:
             peer.value, peer.changed = value, now
+            peer.changes += 1
       self._stopped.wait(self._interval)
 
   def _judge_loop(self) -> None:
@@ -271,6 +327,8 @@ class ProcessWatch:
               f"exiting with status {LOST_PROCESS_EXIT_CODE}: restart every process to "
               "resume from the last checkpoint.", file=sys.stderr)
         _flush()
+        self._stop(_ENDED + verdict[:200])
+        self._linger()
         self._exit(LOST_PROCESS_EXIT_CODE)
         return
 
@@ -284,9 +342,14 @@ class ProcessWatch:
         if peer.value is not None and peer.value.startswith(_FAILED):
           return f"process {index} failed ({peer.value.removeprefix(_FAILED)})"
       for index, peer in sorted(self._peers.items()):
-        if peer.value != _DONE and now - peer.changed > self.failure_timeout:
+        if not _settled(peer.value) and now - peer.changed > self.failure_timeout:
           return f"lost process {index}: no heartbeat for {now - peer.changed:.1f} s"
     return None
+
+
+def _settled(value: str | None) -> bool:
+  """Whether a heartbeat value is a last word: the process left the run, so is not watched."""
+  return value is not None and value.startswith((_DONE, _FAILED, _ENDED))
 
 
 def _process_of(key: str) -> int:
