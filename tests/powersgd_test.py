@@ -470,7 +470,7 @@ def test_off_the_cpu_rank_above_two_orthogonalizes_by_gram_schmidt_twice(monkeyp
   def run():
     state, outs = tx.init(grads), []
     for i in range(5):
-      out, state = jax.jit(tx.update)(jax.tree.map(lambda g: g * (i + 1), grads), state)
+      out, state = jax.jit(tx.update)(jax.tree.map(lambda g, i=i: g * (i + 1), grads), state)
       outs.append(out)
     return outs
 
