@@ -372,6 +372,45 @@ def test_replicated_params_under_shard_map_raise():
     jax.jit(run)(_params(), state)
 
 
+def test_data_parallel_keeps_a_model_a_device_and_matches_shard_map():
+  # data_parallel lays the params out by itself: one copy in, a copy a device out (stacked
+  # along the workers' axis), the same steps as the hand-laid shard_map run, bit for bit.
+  mesh = jax.make_mesh((WORKERS,), (AXIS,))
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=2)
+  treedef = jax.tree.structure(_params())
+
+  def loss_fn(params, target):  # Its gradient is params - target, as _step's.
+    return sum(0.5 * jnp.sum((x - c[0]) ** 2)
+               for x, c in zip(jax.tree.leaves(params), jax.tree.leaves(target), strict=True))
+
+  init, step, abstract_state = qsgd_jax.data_parallel(loss_fn, tx, mesh)
+  targets = _targets(5)
+  params, state = _params(), init(_params())
+  expected = _run_shard_map(tx, targets, 5)
+  for t, (want_params, want_state) in enumerate(expected):
+    params, state, _ = step(params, state, jax.tree.unflatten(treedef, targets[t]))
+    chex.assert_trees_all_equal(params, want_params)
+    chex.assert_trees_all_equal(state, want_state)
+  assert all(leaf.sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), leaf.ndim)
+             for leaf in jax.tree.leaves(params))
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda want, got: want.sharding.is_equivalent_to(got.sharding, got.ndim),
+      abstract_state(_params()), state)))
+  # Between syncs the copies differ; at a sync every device takes the global parameters (to
+  # float32 rounding: the update is global - local, added to local).
+  kernel = np.asarray(params["params"]["Block_0"]["kernel"])
+  assert not np.allclose(kernel[0], kernel[1])
+  params, state, _ = step(params, state, jax.tree.unflatten(treedef, targets[0]))
+  np.testing.assert_allclose(np.asarray(params["params"]["Block_0"]["kernel"]),
+                             _stack(np.asarray(state.global_params["params"]["Block_0"]
+                                               ["kernel"])), rtol=1e-6, atol=1e-7)
+
+  with pytest.raises(ValueError, match=r"params leaf \['params'\]\['Block_0'\]\['kernel'\] has "
+                                       r"shape \(2, 4, 3\).*one copy.*\(8, 4, 3\)"):
+    step(jax.tree.map(lambda x: np.asarray(x)[:2], params), state,
+         jax.tree.unflatten(treedef, targets[0]))
+
+
 def test_average_over_another_axis_raises():
   mesh = jax.make_mesh((4, 2), (AXIS, "other"))
   average = qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "other", min_compressed_size=1)

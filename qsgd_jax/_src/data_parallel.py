@@ -1,5 +1,6 @@
 """A ``jax.jit`` training step over a mesh whose gradient average is the optimizer's own."""
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -10,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qsgd_jax._src import axes
+from qsgd_jax._src.diloco import DiLoCoState
 from qsgd_jax._src.sharding import state_partition_specs
 
 
@@ -21,7 +23,9 @@ class DataParallel(NamedTuple):
       out by :func:`~qsgd_jax.state_partition_specs` over the mesh.
     step: ``step(params, opt_state, batch, *args) -> (params, opt_state,
       value)``, jitted: one training step. ``value`` is the loss, or
-      ``(loss, aux)`` with ``has_aux``, averaged over the devices.
+      ``(loss, aux)`` with ``has_aux``, averaged over the devices. With
+      :func:`~qsgd_jax.diloco` the params it returns are a copy a device,
+      stacked along a first dimension.
     abstract_state: ``abstract_state(params)``: a ``jax.ShapeDtypeStruct`` for
       each array of ``init(params)``, its ``sharding`` the concrete
       ``NamedSharding`` that ``init`` and ``step`` give it; computes nothing.
@@ -97,6 +101,12 @@ def data_parallel(
   Integer leaves of ``value`` that differ per device come back as float
   means, as from ``jax.lax.pmean``.
 
+  A local-update optimizer, :func:`~qsgd_jax.diloco`, keeps parameters of
+  each device's own between syncs; ``step`` then returns them stacked, one
+  copy a device along a new first dimension laid out over ``axis_name``,
+  and takes either such copies or one copy (as ``init`` does, on the first
+  step). Evaluate the global parameters, ``opt_state.global_params``.
+
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
   per-device residuals along ``axis_name``, the rest replicated. A state that
   function does not know (a wrapper's, a transform of your own) may hold
@@ -126,8 +136,10 @@ def data_parallel(
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; at trace time, the
-      optimizer's updates differ per device (it does not average them), or
-      its state holds a per-device scalar, which cannot be laid out.
+      optimizer's updates differ per device (it does not average them, and
+      is no :func:`~qsgd_jax.diloco`), its state holds a per-device scalar,
+      which cannot be laid out, or, with :func:`~qsgd_jax.diloco`, a params
+      leaf is shaped neither as one copy nor as a copy a device.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
@@ -167,21 +179,23 @@ def data_parallel(
         jax.shard_map(device_state, mesh=mesh, in_specs=P(), out_specs=split), params)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
     specs = state_partition_specs(shapes, axis)
+    local_update = _global_params(shapes) is not None
     # A state that state_partition_specs does not know may hold per-device arrays: lay out
     # each leaf along the axes the update makes it vary over. Laying one out may make others
     # vary, so until nothing changes (each round only turns replicated leaves per device).
     while True:
       specs, changed = _per_device_specs(
-          shapes, specs, _updated_state_varying(params, specs), names)
+          shapes, specs, _updated_state_varying(params, specs, local_update), names)
       if not changed:
         return specs
 
-  def _updated_state_varying(params, specs):
+  def _updated_state_varying(params, specs, local_update):
     """For each leaf of the state, the axes the update's new state varies over."""
     found = []
 
     def probe(params, opt_state):
-      _, new_state = optimizer.update(axes.as_varying(params, axis), opt_state, params)
+      local = axes.as_varying(params, axis)
+      _, new_state = optimizer.update(local, opt_state, local if local_update else params)
       found.append([_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)])
       return jnp.zeros(())
 
@@ -201,22 +215,32 @@ def data_parallel(
             shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
         jax.eval_shape(init, params), state_specs(params))
 
-  def device_step(params, opt_state, batch, *args):
-    local = axes.as_varying(params, axis)
-    value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    _check_averaged(updates, names)
-    return optax.apply_updates(params, updates), opt_state, _device_mean(value, names)
-
   def step(params, opt_state, batch, *args):
-    specs = state_specs(params)
+    global_params = _global_params(opt_state)
+    local_update = global_params is not None
+    stacked = local_update and _is_stacked(params, global_params, mesh, names)
+    one_copy = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+    specs = state_specs(one_copy if stacked else params)
+
+    def device_step(params, opt_state, batch, *args):
+      if stacked:
+        params = jax.tree.map(lambda x: x[0], params)  # This device's own copy.
+      local = axes.as_varying(params, axis)
+      value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
+      updates, opt_state = optimizer.update(grads, opt_state, local if local_update else params)
+      if not local_update:
+        _check_averaged(updates, names)
+        return optax.apply_updates(params, updates), opt_state, _device_mean(value, names)
+      params = jax.tree.map(lambda x: x[None], optax.apply_updates(local, updates))
+      return params, opt_state, _device_mean(value, names)
+
     batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
     # A scalar has no dimension to split: every device gets it whole.
     batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
     return jax.shard_map(
         device_step, mesh=mesh,
-        in_specs=(P(), specs, batch_specs, *(P() for _ in args)),
-        out_specs=(P(), specs, P()),
+        in_specs=(split if stacked else P(), specs, batch_specs, *(P() for _ in args)),
+        out_specs=(split if local_update else P(), specs, P()),
     )(params, opt_state, batch, *args)
 
   return DataParallel(
@@ -268,6 +292,39 @@ def _per_device_specs(shapes, specs, varying, names: tuple[str, ...]):
     out.append(P(axes_of if len(axes_of) > 1 else axes_of[0]))
     changed = True
   return jax.tree.unflatten(treedef, out), changed
+
+
+def _global_params(state):
+  """The global parameters of a :func:`~qsgd_jax.diloco` state within ``state``, or ``None``
+  when the optimizer keeps the parameters the same on every device."""
+  is_diloco = lambda node: isinstance(node, DiLoCoState)  # noqa: E731
+  found = [node for node in jax.tree.leaves(state, is_leaf=is_diloco) if is_diloco(node)]
+  return found[0].global_params if found else None
+
+
+def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str, ...]) -> bool:
+  """Whether ``params`` hold one copy a device along a first dimension (``step``'s own
+  output with a local-update optimizer), rather than one copy (``init``'s input).
+
+  Raises:
+    ValueError: a leaf is neither, or some leaves are one and some the other.
+  """
+  devices = math.prod(mesh.shape[name] for name in names)
+  kinds = set()
+  for (path, leaf), model in zip(jax.tree_util.tree_leaves_with_path(params),
+                                 jax.tree.leaves(global_params), strict=True):
+    shape = tuple(jnp.shape(leaf))
+    if shape in (model.shape, (devices, *model.shape)):
+      kinds.add(shape != model.shape)
+      if len(kinds) == 1:
+        continue
+    raise ValueError(
+        f"data_parallel: params leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+        f"{shape}. With qsgd_jax.diloco every device keeps parameters of its own between "
+        f"syncs: step takes either one copy, shaped as init's params ({model.shape} here), or "
+        f"the {devices} copies step returned, stacked along a first dimension "
+        f"({(devices, *model.shape)}), for every leaf alike.")
+  return kinds == {True}
 
 
 def _innermost_state(tree, path):

@@ -159,8 +159,13 @@ def diloco(
   axis raise a ``ValueError``. On a two-level mesh, ``inner`` may average
   over a fast inner axis (``optax.chain(qsgd_jax.compressed_allreduce(
   qsgd_jax.Identity(), "inner"), optax.adamw(...))``) while DiLoCo runs
-  over the slow outer one. :func:`~qsgd_jax.data_parallel`, whose
-  parameters are replicated, does not run it.
+  over the slow outer one. :func:`~qsgd_jax.data_parallel` lays the
+  parameters out by itself: its step returns a copy a device, stacked.
+  At a sync a device's update is the new global parameters minus its own,
+  so after ``optax.apply_updates`` its parameters are the global ones to
+  float32 rounding (exactly where the two are within a factor of 2 of each
+  other): the devices' copies may differ by an ulp there, while
+  ``global_params`` is the same on every device, bit for bit.
 
   Args:
     inner: the inner optimizer (``optax.adamw`` in the papers), or a chain
