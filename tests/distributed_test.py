@@ -172,6 +172,29 @@ def test_a_collective_error_of_this_processs_own_is_reported_once_the_others_bea
   assert word.startswith(distributed._FAILED) and word.endswith("Connection reset by peer")
 
 
+def test_a_collective_error_after_a_peer_failed_names_the_peer(capfd):
+  # The peer's failure (its word in the store) must be named, and this process end with the
+  # lost-process status a launcher restarts on, not blame itself.
+  store = _Store()
+  watch, exits = _watch(store, 1)
+  with pytest.raises(jax.errors.JaxRuntimeError), watch:
+    store.values[distributed._KEY + "0"] = distributed._FAILED + "ValueError: bad batch"
+    raise _COLLECTIVE_ERROR
+  assert exits.codes == [qsgd_jax.LOST_PROCESS_EXIT_CODE]
+  assert "process 1 of 2: process 0 failed (ValueError: bad batch)" in capfd.readouterr().err
+  assert store.values[distributed._KEY + "1"].startswith(distributed._ENDED)
+
+
+def test_leaving_the_block_while_the_watch_ends_the_run_keeps_its_verdict():
+  store = _Store()
+  watch, exits = _watch(store, 1)
+  with watch:  # Process 0 never beats; the block ends as the watch says so.
+    assert exits.done.wait(10 * _TIMEOUT)
+  assert exits.codes == [qsgd_jax.LOST_PROCESS_EXIT_CODE]
+  # Its last word is the verdict, not "done" written over it as the block ended.
+  assert store.values[distributed._KEY + "1"].startswith(distributed._ENDED + "lost process 0")
+
+
 def test_process_0_exits_after_the_other_survivors_have_named_the_lost_process(capfd):
   # Process 0 hosts the coordination service: leaving first, it would take the others down
   # (JAX aborts them) before they say why. Process 2 reaches its verdict later here.

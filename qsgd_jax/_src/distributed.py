@@ -184,6 +184,7 @@ class ProcessWatch:
     self._writing = threading.Lock()  # Held while a heartbeat is in flight.
     self._stopped = threading.Event()
     self._verdict = threading.Event()
+    self._ending = threading.Lock()  # Taken by whichever thread ends the process.
     self._last_reply = 0.0
     self._beats = 0
     self._threads = ()
@@ -202,16 +203,20 @@ class ProcessWatch:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> bool:
-    if exc_type is None or (exc_type is SystemExit and exc.code in (None, 0)):
-      self._stop(_DONE)
-      return False
-    if isinstance(exc, jax.errors.JaxRuntimeError):
+    clean = exc_type is None or (exc_type is SystemExit and exc.code in (None, 0))
+    if not clean and isinstance(exc, jax.errors.JaxRuntimeError):
       # A peer's loss reaches this process as a collective's error at once, and its
       # heartbeats stop: the watch names it (and exits) within a failure timeout.
       self._await_verdict()
-      if self._verdict.is_set():  # The watch names the lost process and exits.
-        self._threads[1].join()
-        return False
+    if not self._ending.acquire(blocking=False):
+      # The watch reached a verdict: it says it, leaves its last word and exits.
+      self._threads[1].join(timeout=2 * self.failure_timeout + 4 * self._interval)
+      if self._threads[1].is_alive():  # Stuck on the way: end the process from here.
+        self._exit(LOST_PROCESS_EXIT_CODE)
+      return False
+    if clean:
+      self._stop(_DONE)
+      return False
     summary = traceback.format_exception_only(exc_type, exc)[-1].strip()
     self._stop(_FAILED + summary[:200])
     self._linger()
@@ -233,14 +238,15 @@ class ProcessWatch:
     Not a fixed wait of :math:`T`: a loaded host may run the heartbeat thread late, and a
     lost process's last heartbeat, read late, restarts its silence. A process has beaten
     since now when its value changed twice after now: the first change may be a heartbeat
-    written before now and read after.
+    written before now and read after. A process that failed is the watch's to name.
     """
     with self._lock:
       seen = {index: peer.changes for index, peer in self._peers.items()}
     deadline = time.monotonic() + _JAX_TIMEOUTS_IN_FAILURE_TIMEOUTS * self.failure_timeout
     while not self._verdict.wait(self._interval / 2) and time.monotonic() < deadline:
       with self._lock:
-        if all(_settled(peer.value) or peer.changes - seen[index] >= 2
+        if all(_left(peer.value) or (not _failed(peer.value)
+                                     and peer.changes - seen[index] >= 2)
                for index, peer in self._peers.items()):
           return
 
@@ -278,9 +284,8 @@ class ProcessWatch:
       return
     deadline = time.monotonic() + self.failure_timeout
     while time.monotonic() < deadline:
-      try:
-        entries = dict(self._client.key_value_dir_get(_KEY))
-      except Exception:  # noqa: BLE001 - the service is this process's own: nothing to wait for.
+      entries = self._read_heartbeats(timeout=self._interval)
+      if entries is None:  # The service does not answer: nobody to wait for.
         return
       now = time.monotonic()
       with self._lock:
@@ -292,6 +297,22 @@ class ProcessWatch:
                for peer in self._peers.values()):
           return
       time.sleep(self._interval / 2)
+
+  def _read_heartbeats(self, timeout: float) -> dict[str, str] | None:
+    """Every process's heartbeat value by key, or ``None`` if the service fails or does not
+    answer within ``timeout`` (a read in a thread of its own: the client may block)."""
+    entries = []
+
+    def read():
+      try:
+        entries.append(dict(self._client.key_value_dir_get(_KEY)))
+      except Exception:  # noqa: BLE001 - unreachable: the caller stops waiting.
+        pass
+
+    reader = threading.Thread(target=read, name="qsgd_jax last reads", daemon=True)
+    reader.start()
+    reader.join(timeout=timeout)
+    return entries[0] if entries else None
 
   def _beat_loop(self) -> None:
     while True:
@@ -321,16 +342,19 @@ class ProcessWatch:
   def _judge_loop(self) -> None:
     while not self._stopped.wait(self._interval / 2):
       verdict = self._judge(time.monotonic())
-      if verdict is not None and not self._stopped.is_set():
-        self._verdict.set()
-        print(f"qsgd_jax: process {self.process_id} of {self.num_processes}: {verdict}; "
-              f"exiting with status {LOST_PROCESS_EXIT_CODE}: restart every process to "
-              "resume from the last checkpoint.", file=sys.stderr)
-        _flush()
-        self._stop(_ENDED + verdict[:200])
-        self._linger()
-        self._exit(LOST_PROCESS_EXIT_CODE)
-        return
+      if verdict is None:
+        continue
+      if not self._ending.acquire(blocking=False):
+        return  # The main thread is ending the process already.
+      self._verdict.set()
+      print(f"qsgd_jax: process {self.process_id} of {self.num_processes}: {verdict}; "
+            f"exiting with status {LOST_PROCESS_EXIT_CODE}: restart every process to "
+            "resume from the last checkpoint.", file=sys.stderr)
+      _flush()
+      self._stop(_ENDED + verdict[:200])
+      self._linger()
+      self._exit(LOST_PROCESS_EXIT_CODE)
+      return
 
   def _judge(self, now: float) -> str | None:
     """Why the run is broken, or ``None`` while every other process beats or is done."""
@@ -339,7 +363,7 @@ class ProcessWatch:
         return (f"lost the coordination service (process 0): no reply for "
                 f"{now - self._last_reply:.1f} s")
       for index, peer in sorted(self._peers.items()):
-        if peer.value is not None and peer.value.startswith(_FAILED):
+        if _failed(peer.value):
           return f"process {index} failed ({peer.value.removeprefix(_FAILED)})"
       for index, peer in sorted(self._peers.items()):
         if not _settled(peer.value) and now - peer.changed > self.failure_timeout:
@@ -349,7 +373,16 @@ class ProcessWatch:
 
 def _settled(value: str | None) -> bool:
   """Whether a heartbeat value is a last word: the process left the run, so is not watched."""
-  return value is not None and value.startswith((_DONE, _FAILED, _ENDED))
+  return _left(value) or _failed(value)
+
+
+def _left(value: str | None) -> bool:
+  """Whether a process left the run normally or ended it on a verdict of its own."""
+  return value is not None and value.startswith((_DONE, _ENDED))
+
+
+def _failed(value: str | None) -> bool:
+  return value is not None and value.startswith(_FAILED)
 
 
 def _process_of(key: str) -> int:
