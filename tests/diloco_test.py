@@ -409,6 +409,8 @@ def test_data_parallel_keeps_a_model_a_device_and_matches_shard_map():
                                        r"shape \(2, 4, 3\).*one copy.*\(8, 4, 3\)"):
     step(jax.tree.map(lambda x: np.asarray(x)[:2], params), state,
          jax.tree.unflatten(treedef, targets[0]))
+  with pytest.raises(ValueError, match="is not the one qsgd_jax.diloco keeps global parameters of"):
+    step({"other": params}, state, jax.tree.unflatten(treedef, targets[0]))
 
 
 def test_average_over_another_axis_raises():

@@ -105,7 +105,10 @@ def data_parallel(
   each device's own between syncs; ``step`` then returns them stacked, one
   copy a device along a new first dimension laid out over ``axis_name``,
   and takes either such copies or one copy (as ``init`` does, on the first
-  step). Evaluate the global parameters, ``opt_state.global_params``.
+  step; with ``donate`` its buffers cannot hold the copies, and JAX warns
+  that they were not used). Evaluate the global parameters, the
+  :class:`~qsgd_jax.DiLoCoState`'s ``global_params`` (``opt_state.global_params``
+  when ``diloco`` is the whole optimizer).
 
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
   per-device residuals along ``axis_name``, the rest replicated. A state that
@@ -299,6 +302,11 @@ def _global_params(state):
   when the optimizer keeps the parameters the same on every device."""
   is_diloco = lambda node: isinstance(node, DiLoCoState)  # noqa: E731
   found = [node for node in jax.tree.leaves(state, is_leaf=is_diloco) if is_diloco(node)]
+  if len(found) > 1:
+    raise ValueError(
+        f"data_parallel: the optimizer's state holds {len(found)} DiLoCoStates; a step keeps "
+        "one model a device, of one qsgd_jax.diloco. Chain the transforms inside one diloco "
+        "(its inner optimizer) instead.")
   return found[0].global_params if found else None
 
 
@@ -310,6 +318,12 @@ def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str
     ValueError: a leaf is neither, or some leaves are one and some the other.
   """
   devices = math.prod(mesh.shape[name] for name in names)
+  if jax.tree.structure(params) != jax.tree.structure(global_params):
+    raise ValueError(
+        f"data_parallel: the params' tree {jax.tree.structure(params)} is not the one "
+        f"qsgd_jax.diloco keeps global parameters of, {jax.tree.structure(global_params)}: "
+        "with a local-update optimizer the step takes the whole params tree diloco was "
+        "initialized on (diloco under optax.masked or optax.multi_transform is not run here).")
   kinds = set()
   for (path, leaf), model in zip(jax.tree_util.tree_leaves_with_path(params),
                                  jax.tree.leaves(global_params), strict=True):

@@ -161,11 +161,13 @@ def diloco(
   qsgd_jax.Identity(), "inner"), optax.adamw(...))``) while DiLoCo runs
   over the slow outer one. :func:`~qsgd_jax.data_parallel` lays the
   parameters out by itself: its step returns a copy a device, stacked.
-  At a sync a device's update is the new global parameters minus its own,
-  so after ``optax.apply_updates`` its parameters are the global ones to
-  float32 rounding (exactly where the two are within a factor of 2 of each
-  other): the devices' copies may differ by an ulp there, while
-  ``global_params`` is the same on every device, bit for bit.
+  At a sync (with ``alpha=0``) a device's update is the new global
+  parameters minus its own, so after ``optax.apply_updates`` its parameters
+  are the global ones up to the rounding of that sum in the params' dtype:
+  exactly where the two are within a factor of 2 of each other (Sterbenz's
+  lemma), else within an ulp of the larger of the old parameter and the
+  update. The devices' copies may differ there; ``global_params`` is the
+  same on every device, bit for bit.
 
   Args:
     inner: the inner optimizer (``optax.adamw`` in the papers), or a chain
