@@ -254,8 +254,15 @@ def _one_device_mesh():
   ``--check`` runs each program under ``jax.default_device`` of the accelerator,
   then of the CPU: a mesh of ``jax.devices()[:1]`` would put both runs on the
   accelerator."""
-  device = jax.config.jax_default_device or jax.devices()[0]
-  return jax.make_mesh((1,), (AXIS,), devices=[device])
+  return jax.make_mesh((1,), (AXIS,), devices=[_default_device()])
+
+
+def _default_device() -> jax.Device:
+  """``jax.default_device``'s device (given as a device or a platform), else the first."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.devices()[0]
+  return jax.devices(device)[0] if isinstance(device, str) else device
 
 
 def _one_device_step(tx, params, gradient_fn):
@@ -548,8 +555,7 @@ def run_benchmark(args) -> dict:
 
 def _platform() -> str:
   """The platform programs run on now: ``jax.default_device``'s, else the default backend."""
-  device = jax.config.jax_default_device
-  return jax.default_backend() if device is None else device.platform
+  return _default_device().platform
 
 
 def _check_programs() -> dict:

@@ -25,6 +25,7 @@ import collections
 import glob
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -45,7 +46,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _KEPT_INSTRUCTIONS = 200  # The longest a mode's record keeps (a step has thousands).
 # Instructions whose events enclose their bodies' (on the CPU): counted through those.
 _CONTROL_FLOW = ("conditional", "while", "call")
-_WRAPPERS = re.compile(r"(?:jit|pjit|jvp|transpose|shard_map|checkpoint|remat|vmap|"
+_WRAPPERS = re.compile(r"\b(?:jit|pjit|jvp|transpose|shard_map|checkpoint|remat|vmap|"
                        r"custom_jvp_call|custom_vjp_call)\(([^()]*)\)")
 
 
@@ -67,9 +68,9 @@ def parse_args(argv=None):
 def op_names(hlo_text: str) -> dict[str, str | None]:
   """Each instruction of a compiled program's text to its JAX operation, wrappers dropped.
 
-  ``jit(step)/jit(main)/shard_map/jvp(powersgd)/dot_general`` reads as
-  ``step/main/powersgd/dot_general``; a conditional, loop or call maps to
-  ``None``.
+  ``jit(step)/transpose(jvp(TransformerLM))/head/dot_general`` reads as
+  ``step/TransformerLM/head/dot_general``; a conditional, loop or call maps
+  to ``None``.
   """
   names = {}
   for line in hlo_text.splitlines():
@@ -78,8 +79,15 @@ def op_names(hlo_text: str) -> dict[str, str | None]:
     name, opcode = instruction.groups()
     op_name = _OP_NAME.search(line)
     names.setdefault(name, None if opcode in _CONTROL_FLOW else
-                     _WRAPPERS.sub(r"\1", op_name.group(1)) if op_name else "")
+                     _unwrapped(op_name.group(1)) if op_name else "")
   return names
+
+
+def _unwrapped(op_name: str) -> str:
+  """``op_name`` with every wrapper removed, nested ones too."""
+  while (shorter := _WRAPPERS.sub(r"\1", op_name)) != op_name:
+    op_name = shorter
+  return op_name
 
 
 def device_times(xspace_path: str, module_name: str) -> dict[str, float]:
@@ -106,19 +114,21 @@ def device_times(xspace_path: str, module_name: str) -> dict[str, float]:
 def profile_mode(name: str, tx, params, gradient_fn, tokens, repeats: int, traced: int) -> dict:
   """One mode's step: its median time, and its instructions' device time a step."""
   step, *carry = accelerator._one_device_step(tx, params, gradient_fn)
+  # The program that runs is the one whose instructions are named: no second compilation
+  # (autotuning on a GPU may choose other kernels).
+  compiled = step.lower(carry[0], carry[1], tokens).compile()
 
   def run():
-    carry[0], carry[1] = step(carry[0], carry[1], tokens)
+    carry[0], carry[1] = compiled(carry[0], carry[1], tokens)
     return carry[0]
 
-  for _ in range(2):  # Compiles; the compressed Adams pass their freeze, PowerSGD its exact steps.
+  for _ in range(2):  # The compressed Adams pass their freeze, PowerSGD its exact steps.
     jax.block_until_ready(run())
   seconds = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(run())
     seconds.append(time.perf_counter() - start)
-  compiled = step.lower(carry[0], carry[1], tokens).compile()
   names = op_names(compiled.as_text())
   module = compiled.as_text().split("\n", 1)[0].split()[1].rstrip(",")
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -166,7 +176,8 @@ def main(argv=None) -> None:
         logits, tokens[:, 1:]).mean()
 
   record = {"jax": jax.__version__, "device": device.device_kind,
-            "command": " ".join(["python", *sys.argv]), "parameters": parameters,
+            "command": " ".join(["python", *sys.argv]),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "parameters": parameters,
             "batch": batch, "modes": {}}
   print(f"{device.device_kind}, JAX {jax.__version__}, {parameters:,} parameters, batch {batch}")
   names = ["adamw"] + [name for name in args.modes if name != "adamw"]

@@ -251,15 +251,20 @@ def orthogonalize(matrices: jax.Array, epsilon: float) -> jax.Array:
   on the CPU. On other platforms, Gram-Schmidt twice: the second pass removes
   what rounding left of the first's projections, so the columns are
   orthonormal to float32 precision as QR's are (``epsilon`` unused, as by the
-  QR). On an H100 the QR of GPT-2 small's P and Q factors (batches of up to 12
-  matrices of up to 27,648 x 4) took 6.8 ms a step, 13% of the model's whole
-  AdamW step, against 0.6 ms for the two passes (``benchmarks/step_profile.py``);
-  on the CPU the passes are 4-7x slower than LAPACK. Any orthonormal basis of
-  the span gives PowerSGD the same step in exact arithmetic: its
-  approximation ``P Q^T = P P^T M`` is the projection onto the span, and a
-  basis ``P R`` (``R`` orthogonal) gives the next factors times ``R``. A
-  rank-deficient ``P`` differs: QR completes the basis with arbitrary
-  directions, Gram-Schmidt leaves zero columns (neither is in the span).
+  QR). On an H100 a GPT-2-small-shaped step of PowerSGD took 7.4 ms more than
+  AdamW's 53.5 ms, the QR's kernels 3.6 ms of it; with the two passes, 0.3
+  ms more (``benchmarks/step_profile.py``). Timed alone on that step's
+  factors (``benchmarks/orthogonalize.py``): the batched QR 6.8 ms, the two
+  passes 0.6 ms; on the CPU the passes take 11-14x LAPACK's QR of one matrix
+  at a time, and their columns are the closer to float64's span (1e-5 out of
+  it against 4e-4 for float32 QR's, on nearly rank-one factors).
+
+  Any orthonormal basis of the span gives PowerSGD the same step in exact
+  arithmetic: its approximation ``P Q^T = P P^T M`` is the projection onto
+  the span, and a basis ``P R`` (``R`` orthogonal) gives the next factors
+  times ``R``. A rank-deficient ``P`` differs: QR completes the basis with
+  arbitrary directions, Gram-Schmidt with those of the rounding residue
+  (zero columns where it is exactly zero); neither is in the span.
 
   On CPU the QR takes the matrices one at a time (``jax.lax.map``), not as
   one batch: jaxlib's batched LAPACK kernels (``geqrf``, ``orgqr``; jaxlib
@@ -268,7 +273,9 @@ def orthogonalize(matrices: jax.Array, epsilon: float) -> jax.Array:
   every device runs its QR at once, each on a pool thread, and a small host
   has about one pool thread a device: with all of them blocked, none is left
   to run the pieces, and the step deadlocks (XLA reports the next all-reduce
-  as stuck in its rendezvous). A matrix alone is run on the calling thread.
+  as stuck in its rendezvous; on a 2-core host the batch of GPT-2 small's
+  factors deadlocked on one device alone). A matrix alone is run on the
+  calling thread.
   Q is the same to the bit, as LAPACK factors each matrix alone either way.
   """
   if matrices.shape[-1] > 2:
