@@ -542,3 +542,20 @@ def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
   assert len(exchanges) == 2  # One a fragment.
   for inputs in exchanges:
     assert min(inputs) >= num_grads and max(inputs) < num_grads + num_state
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_step_that_does_not_sync_leaves_the_whole_model_alone(delay):
+  # The new local parameters and the outer gradient (params + update, global - local) are
+  # computed inside the branch of a fragment that syncs: outside every conditional, nothing of
+  # a parameter's shape is added or subtracted (the inner SGD only multiplies).
+  params = _params()
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=4, fragments=2, delay=delay)
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, params))
+  grads = jax.tree.map(jnp.ones_like, params)
+  jaxpr = jax.make_jaxpr(tx.update, axis_env=[(AXIS, WORKERS)])(grads, state, params).jaxpr
+  shapes = {np.shape(leaf) for leaf in jax.tree.leaves(params)}
+  whole_model = [eqn.primitive.name for eqn in jaxpr.eqns
+                 if eqn.primitive.name in ("add", "sub")
+                 and any(tuple(v.aval.shape) in shapes for v in eqn.outvars)]
+  assert not whole_model

@@ -312,7 +312,17 @@ def diloco(
 
     leaves, treedef = jax.tree.flatten(params)
     steps = treedef.flatten_up_to(inner_updates)
-    local = [(x + u).astype(x.dtype) for x, u in zip(leaves, steps, strict=True)]
+
+    # This device's new parameters, and the outer gradient, are read only where a fragment
+    # syncs: computed there, inside the conditional's branch, a step that does not sync
+    # neither adds nor subtracts the whole model.
+    def local(i):
+      return (leaves[i] + steps[i]).astype(leaves[i].dtype)
+
+    def outer_gradient(member):
+      return tuple(global_leaves[i].astype(jnp.float32) - local(i).astype(jnp.float32)
+                   for i in member)
+
     global_leaves = list(treedef.flatten_up_to(state.global_params))
     out = list(steps)
     outer_states = list(state.outer_states)
@@ -331,7 +341,7 @@ def diloco(
 
       def outer_step(averaged, member=member, p=p):
         return _outer_step(
-            averaged, [global_leaves[i] for i in member], [local[i] for i in member],
+            averaged, [global_leaves[i] for i in member], [local(i) for i in member],
             [leaves[i] for i in member], outer_states[p], outer_optimizer, alpha, parsed)
 
       def merged(result, member=member, p=p):
@@ -342,11 +352,9 @@ def diloco(
       def skip_merge(member=member, p=p):
         return ([out[i] for i in member], [global_leaves[i] for i in member], outer_states[p])
 
-      delta = tuple(global_leaves[i].astype(jnp.float32) - local[i].astype(jnp.float32)
-                    for i in member)
       if not delay:
-        def sync(delta=delta, p=p, outer_step=outer_step):
-          averaged, average_state, bits = exchange(delta, average_states[p])
+        def sync(member=member, p=p, outer_step=outer_step):
+          averaged, average_state, bits = exchange(outer_gradient(member), average_states[p])
           return outer_step(averaged), average_state, bits
 
         def no_sync(p=p, skip_merge=skip_merge):
@@ -368,8 +376,9 @@ def diloco(
           return (averaged_gradients[p], average_states[p], (jnp.float32(0), jnp.float32(0)))
 
         averaged_gradients[p], average_states[p], bits = _cond(at(1), send, hold)
-        outer_gradients[p] = _cond(at(0), lambda delta=delta: tuple(d[None] for d in delta),
-                                   lambda held=held: held)
+        outer_gradients[p] = _cond(
+            at(0), lambda member=member: tuple(d[None] for d in outer_gradient(member)),
+            lambda held=held: held)
         merged(_cond(at(delay), lambda p=p, outer_step=outer_step: outer_step(
             averaged_gradients[p]), skip_merge))
       wire_bits += bits[0]
