@@ -168,23 +168,34 @@ def check_varying(tree, axes: Axes, owner: str) -> None:
   Raises:
     ValueError: naming the leaf and the axis, and what to do.
   """
-  names = tracked(axes.names)
+  found = first_replicated(tree, axes.names, floats_only=True)
+  if found is not None:
+    path, missing = found
+    raise ValueError(
+        f"{owner}: leaf {path} is replicated over axis {missing!r}, not a per-device value. "
+        "Under jax.shard_map, jax.grad with respect to replicated params returns the "
+        "gradient already summed over the axis in float32, and reducing it again would give "
+        f"n times the mean. Differentiate with respect to qsgd_jax.as_varying(params, "
+        f"{axes.name!r}) (that is, jax.lax.pcast(params, {axes.name!r}, to='varying')) "
+        "instead.")
+
+
+def first_replicated(tree, names, *, floats_only: bool = False) -> tuple[str, str] | None:
+  """``(path, axis)`` of the first leaf of ``tree`` that ``jax.shard_map`` types as replicated
+  over one of the axes ``names``, or ``None`` (also outside ``shard_map``, where nothing is
+  typed). ``path`` is the leaf's ``keystr``, ``<root>`` for a bare array; with
+  ``floats_only`` other leaves are not looked at."""
+  names = tracked(tuple(names))
   if not names:
-    return
+    return None
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    if floats_only and not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
       continue
-    manual = jax.typeof(leaf).manual_axis_type
-    missing = [name for name in names if name not in manual.varying]
+    varying = jax.typeof(leaf).manual_axis_type.varying
+    missing = [name for name in names if name not in varying]
     if missing:
-      raise ValueError(
-          f"{owner}: leaf {jax.tree_util.keystr(path) or '<root>'} is replicated over axis "
-          f"{missing[0]!r}, not a per-device value. Under jax.shard_map, jax.grad with respect "
-          "to replicated params returns the gradient already summed over the axis in "
-          "float32, and reducing it again would give n times the mean. Differentiate with "
-          f"respect to qsgd_jax.as_varying(params, {axes.name!r}) (that is, "
-          f"jax.lax.pcast(params, {axes.name!r}, to='varying')) instead."
-      )
+      return jax.tree_util.keystr(path) or "<root>", missing[0]
+  return None
 
 
 def check_not_in_apply_if_finite(owner: str, axis_name: AxisName, instead: str) -> None:

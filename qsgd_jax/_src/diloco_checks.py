@@ -44,16 +44,15 @@ def check_state(state, expected, state_type: type) -> None:
 
 def check_laid_out(params, parsed: axes.Axes) -> None:
   """Raises where, under ``jax.shard_map``, a parameter is replicated over the workers' axis."""
-  names = axes.tracked(parsed.names)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    missing = [name for name in names if name not in jax.typeof(leaf).manual_axis_type.varying]
-    if missing:
-      raise ValueError(
-          f"{_OWNER}: params leaf {jax.tree_util.keystr(path) or '<root>'} is replicated over "
-          f"axis {missing[0]!r}, but between syncs every worker holds parameters of its own. "
-          f"Lay the params out along the axis: each device's copy stacked along the first "
-          f"dimension, in_specs=P({parsed.name!r}) and out_specs=P({parsed.name!r}) for them "
-          "in jax.shard_map, and the state laid out by qsgd_jax.state_partition_specs.")
+  found = axes.first_replicated(params, parsed.names)
+  if found is not None:
+    path, missing = found
+    raise ValueError(
+        f"{_OWNER}: params leaf {path} is replicated over axis {missing!r}, but between syncs "
+        "every worker holds parameters of its own. Lay the params out along the axis: each "
+        f"device's copy stacked along the first dimension, in_specs=P({parsed.name!r}) and "
+        f"out_specs=P({parsed.name!r}) for them in jax.shard_map, and the state laid out by "
+        "qsgd_jax.state_partition_specs (qsgd_jax.data_parallel does both).")
 
 
 def check_averaged(averaged, parsed: axes.Axes) -> None:

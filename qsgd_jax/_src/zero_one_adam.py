@@ -318,18 +318,18 @@ def _decayed(mask, params, count: int) -> list[bool]:
 def _check_params_per_device(params, axes: axes_lib.Axes, local_step_clipper: int) -> None:
   """Raises where ``jax.shard_map`` holds the parameters replicated over the outer axis, which
   local steps would make differ between devices."""
-  names = axes_lib.tracked((axes.outer,))
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    if names and names[0] not in jax.typeof(leaf).manual_axis_type.varying:
-      raise ValueError(
-          f"qsgd_jax.zero_one_adam: params{jax.tree_util.keystr(path)} is replicated over axis "
-          f"{axes.outer!r}, but with local_step_clipper={local_step_clipper} the devices take "
-          "local steps after the freeze, and each device's parameters and momentum then differ. "
-          "Either pass local_step_clipper=1 (every frozen step synchronizes, parameters stay "
-          "replicated: what qsgd_jax.data_parallel needs), or hold one copy of the parameters "
-          f"a device: jax.pmap, or jax.shard_map with params laid out along {axes.outer!r} "
-          "(a leading axis of the device count, in_specs and out_specs P(axis)), and the "
-          "state laid out by qsgd_jax.state_partition_specs.")
+  found = axes_lib.first_replicated(params, (axes.outer,))
+  if found is not None:
+    path = found[0] if found[0] != "<root>" else ""
+    raise ValueError(
+        f"qsgd_jax.zero_one_adam: params{path} is replicated over axis "
+        f"{axes.outer!r}, but with local_step_clipper={local_step_clipper} the devices take "
+        "local steps after the freeze, and each device's parameters and momentum then differ. "
+        "Either pass local_step_clipper=1 (every frozen step synchronizes, parameters stay "
+        "replicated: what qsgd_jax.data_parallel needs), or hold one copy of the parameters "
+        f"a device: jax.pmap, or jax.shard_map with params laid out along {axes.outer!r} "
+        "(a leading axis of the device count, in_specs and out_specs P(axis)), and the "
+        "state laid out by qsgd_jax.state_partition_specs.")
 
 
 def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
