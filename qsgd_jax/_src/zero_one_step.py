@@ -6,13 +6,12 @@ step either updates both moments from the float32 mean gradient (a
 *variance step*) or only the momentum from the 1-bit average of the
 gradients (a *1-bit step*); after it, each device steps on its own momentum
 and, at synchronizations, the devices average how far they moved. Every
-phase returns a NamedTuple whose fields have the same types in every branch
-of the ``jax.lax.cond`` that chooses it: the moments in the state's dtypes,
+kind of step returns an :class:`Outcome` of the same types, as the
+``jax.lax.switch`` that chooses it needs: the moments in the state's dtypes,
 the updates in float32.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -136,10 +135,31 @@ class Step:
     self.momentum_correction = 1 - settings.b1 ** self.count if settings.bias_correction else 1.0
 
   def run(self) -> Outcome:
-    """The update's :class:`Outcome`: before the freeze or after, as the count says."""
-    frozen = self.state.count >= self.state.freeze_count
-    return jax.lax.cond(frozen, lambda _: self.kept(self.frozen(_)),
-                        lambda _: self.kept(self.warm(_)), None)
+    """The update's :class:`Outcome`, from one of its kinds of step, chosen by one
+    ``jax.lax.switch``: before the freeze a variance step or a 1-bit step; after it a
+    synchronization by the 1-bit exchange, one by the float32 momentum average (after
+    learning rates of zero only), or a local step.
+
+    One conditional, not one nested in another for each choice: XLA:GPU runs a conditional
+    by reading its predicate back to the host (unless a CUDA graph holds it), and the step
+    that nested three lasted 7.6 ms longer than its kernels on an H100, AdamW's 3.6
+    (``benchmarks/step_profile.py``)."""
+    s, state = self.settings, self.state
+    is_variance_step = self.count % state.variance_interval == 0
+    kinds = [lambda: self.warm(self.variance_step(), is_variance_step),
+             lambda: self.warm(self.onebit_step(), is_variance_step),
+             lambda: self.frozen(self.onebit_sync),
+             lambda: self.frozen(self.momentum_sync)]
+    if s.local_steps:
+      kinds.append(lambda: self.frozen(self.local_only))
+      synchronizing = self.count % state.local_interval == 0
+    else:
+      synchronizing = jnp.bool_(True)
+    moved = state.learning_rate_sum + self.learning_rate > 0  # The local steps' sum, ahead.
+    kind = jnp.where(state.count >= state.freeze_count,
+                     jnp.where(synchronizing, jnp.where(moved, 2, 3), 4),
+                     jnp.where(is_variance_step, 0, 1))
+    return jax.lax.switch(kind, [lambda _, step=step: self.kept(step()) for step in kinds], None)
 
   def kept(self, outcome: Outcome) -> Outcome:
     """``outcome`` whose fields of the state (moments, accumulator, errors, counters) are the
@@ -184,7 +204,7 @@ class Step:
 
   # Before the freeze.
 
-  def variance_step(self, _) -> Moments:
+  def variance_step(self) -> Moments:
     """Both moments from the float32 mean gradient."""
     s, state = self.settings, self.state
     indices = tuple(sorted(self.leaves.compressed + self.leaves.float32))
@@ -196,7 +216,7 @@ class Step:
     return Moments(*self.stored(mu, nu), state.worker_error, state.server_error,
                    base.all_finite(means), state.variance_updates + 1)
 
-  def onebit_step(self, _) -> Moments:
+  def onebit_step(self) -> Moments:
     """The compressed leaves' momentum from the 1-bit average of the gradients."""
     s, state, compressed = self.settings, self.state, self.leaves.compressed
     out = common.exchange([self.grads[i] for i in compressed], state.worker_error,
@@ -209,11 +229,10 @@ class Step:
     return Moments(*self.stored(mu, nu), out.worker_error, out.server_error,
                    out.all_finite & finite, state.variance_updates)
 
-  def warm(self, _) -> Outcome:
-    """A step before the freeze: a variance step at multiples of the interval, else 1-bit."""
+  def warm(self, moments: Moments, is_variance_step: jax.Array) -> Outcome:
+    """A step before the freeze from its ``moments``: a variance step's at multiples of the
+    interval, else a 1-bit step's."""
     s, state, kinds = self.settings, self.state, self.leaves.kinds
-    is_variance_step = self.count % state.variance_interval == 0
-    moments = jax.lax.cond(is_variance_step, self.variance_step, self.onebit_step, None)
     deltas = [None if kind == "other" else self.delta(i, moments.mu[i], self.denominator(
         moments.nu[i], moments.variance_updates if kind == "compressed" else self.count))
               for i, kind in enumerate(kinds)]
@@ -302,17 +321,12 @@ class Step:
                         self.state.worker_error, self.state.server_error, jnp.bool_(True),
                         local.learning_rate_sum, SENT_SMALL)
 
-  def frozen(self, _) -> Outcome:
-    """A step after the freeze: local, or synchronizing at multiples of the local interval."""
+  def frozen(self, sync) -> Outcome:
+    """A step after the freeze: this device's local step, then ``sync`` of it (a
+    synchronization, or the local step alone)."""
     s, state = self.settings, self.state
     local = self.local()
-    synchronize = functools.partial(
-        jax.lax.cond, local.learning_rate_sum > 0, self.onebit_sync, self.momentum_sync)
-    if s.local_steps:
-      sync = jax.lax.cond(self.count % state.local_interval == 0, synchronize, self.local_only,
-                          local)
-    else:
-      sync = synchronize(local)
+    sync = sync(local)
     counter = state.local_counter + 1
     doubled = counter == s.local_step_scaler
     return Outcome(
