@@ -10,7 +10,8 @@ far its columns reach out of float64 QR's span ``E`` (the largest entry of
 ``low_rank.orthogonalize`` takes LAPACK's QR one matrix at a time on the CPU
 and Gram-Schmidt twice elsewhere (``qsgd_jax/_src/low_rank.py`` says why).
 
-  python benchmarks/orthogonalize.py            # on the default device
+  python benchmarks/orthogonalize.py            # on the default device (benchmarks/results/
+                                                # orthogonalize.{json,txt}, or results/<gpu|tpu>/)
   python benchmarks/orthogonalize.py --small    # GPT-2 small's shapes / 32 (seconds, any CPU)
 """
 
@@ -94,8 +95,10 @@ def main(argv=None) -> None:
                    f"{row['outside_float64_span']:.1e}")
   text = "\n".join(lines) + "\n"
   print(text, end="")
-  out = args.out or _ROOT / "benchmarks" / "results" / device.platform / (
-      "orthogonalize_small.json" if args.small else "orthogonalize.json")
+  folder = _ROOT / "benchmarks" / "results"
+  if device.platform != "cpu":
+    folder /= device.platform
+  out = args.out or folder / ("orthogonalize_small.json" if args.small else "orthogonalize.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(record, indent=1) + "\n")
   out.with_suffix(".txt").write_text(text)

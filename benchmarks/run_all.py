@@ -57,6 +57,9 @@ SUITE = (
     ("Compressed Adam on a small batch: the freeze, the clipping or the bits (2 simulated CPU "
      "devices)", "freeze_or_compression.py", False, ["--seeds", "0", "1", "2"],
      ["--modes", "adamw", "frozen_variance"]),
+    ("PowerSGD's orthogonalization at GPT-2 small's factors: QR against Gram-Schmidt",
+     "orthogonalize.py", False, ["--out", "{out}/orthogonalize.json"],
+     ["--small", "--repeats", "2", "--out", "{out}/orthogonalize.json"]),
     ("Error of the mean against bytes, by reduction method", "reduction_methods.py", False,
      [], ["--size", "65536", "--keys", "4"]),
     ("Alpha-beta cost model", "cost_model.py", False,
