@@ -313,6 +313,7 @@ class Launcher:
               preexec_fn=_die_with_parent))
       # The first process to fail ends the launch: the others would wait for it.
       while True:
+        _raise_if_stopped()
         failed = next((i for i, p in enumerate(processes) if p.poll()), None)
         if failed is not None:
           raise LaunchError(f"process {failed} exited with code {processes[failed].returncode}:\n"
@@ -655,8 +656,20 @@ def plot_training(training: dict, path: pathlib.Path, num_processes: int) -> Non
 # The whole run --------------------------------------------------------------
 
 
+# The stop signals received: a signal's KeyboardInterrupt raised where Python ignores
+# exceptions (the logging module's fork handlers, as subprocess forks) is lost, and the launch
+# loop raises it again from here.
+_STOP_SIGNALS_RECEIVED: list[int] = []
+
+
 def _raise_on_signal(signum, frame):
+  _STOP_SIGNALS_RECEIVED.append(signum)
   raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _raise_if_stopped() -> None:
+  if _STOP_SIGNALS_RECEIVED:
+    raise KeyboardInterrupt(f"signal {_STOP_SIGNALS_RECEIVED[0]}")
 
 
 def parse_args(argv=None):

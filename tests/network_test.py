@@ -106,6 +106,18 @@ def test_namespace_is_deleted_when_a_launch_times_out(tmp_path):
 
 
 @pytest.mark.skipif(bool(_DENIED), reason=_NO_NAMESPACE)
+def test_a_stop_signal_raised_where_python_ignores_it_is_raised_again(monkeypatch):
+  # The logging module's fork handlers run while subprocess forks, and Python prints and
+  # drops an exception raised in them: a SIGTERM arriving then must still stop the launch.
+  monkeypatch.setattr(network, "_STOP_SIGNALS_RECEIVED", [])
+  try:
+    network._raise_on_signal(signal.SIGTERM, None)
+  except KeyboardInterrupt:
+    pass  # Dropped, as in a fork handler.
+  with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"):
+    network._raise_if_stopped()
+
+
 def test_namespace_is_deleted_when_the_launcher_is_terminated(tmp_path):
   namespace = _namespace_name("terminated")
   log = tmp_path / "launcher.log"
