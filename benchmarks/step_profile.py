@@ -1,7 +1,8 @@
 """Where a mode's training step spends its device time: the kernels of one step, by name.
 
 Builds ``benchmarks/accelerator.py``'s one-device steps (a GPT-2-small-shaped
-language model, each mode's optimizer with its collective over one device),
+language model, each mode's optimizer with its collective over one device;
+``diloco``, DiLoCo's step between syncs, through ``qsgd_jax.data_parallel``),
 times each (median of ``--repeats`` steps), then runs ``--traced`` steps under
 ``jax.profiler.trace`` and reads the trace back with ``jax.profiler.ProfileData``:
 every event that names an HLO instruction of the step's program (on a GPU
@@ -17,6 +18,7 @@ each mode but AdamW, the operations whose time grew most over AdamW's step
 whole record is written as JSON to ``--out``.
 
   python benchmarks/step_profile.py --modes powersgd zero_one_adam   # on the default device
+  python benchmarks/step_profile.py --modes diloco                   # DiLoCo between syncs
   python benchmarks/step_profile.py --small                          # CPU-sized (seconds)
 """
 
@@ -34,15 +36,22 @@ import tempfile
 import time
 
 import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("benchmarks_accelerator",
                                                _ROOT / "benchmarks" / "accelerator.py")
 accelerator = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(accelerator)
+qsgd_jax = accelerator.qsgd_jax
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# accelerator.py's modes, and DiLoCo's step between syncs.
+MODES = (*accelerator.MODES, "diloco")
+DILOCO_SYNC_EVERY = 1000
 _KEPT_INSTRUCTIONS = 200  # The longest a mode's record keeps (a step has thousands).
 # Instructions whose events enclose their bodies' (on the CPU): counted through those.
 _CONTROL_FLOW = ("conditional", "while", "call")
@@ -52,8 +61,7 @@ _WRAPPERS = re.compile(r"\b(?:jit|pjit|jvp|transpose|shard_map|checkpoint|remat|
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--modes", nargs="+", default=list(accelerator.MODES),
-                      choices=accelerator.MODES)
+  parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
   parser.add_argument("--small", action="store_true",
                       help="CPU-sized: a 1-layer 32-wide model")
   parser.add_argument("--batch", type=int, default=8, help="sequences a step")
@@ -111,15 +119,32 @@ def device_times(xspace_path: str, module_name: str) -> dict[str, float]:
   return times
 
 
-def profile_mode(name: str, tx, params, gradient_fn, tokens, repeats: int, traced: int) -> dict:
-  """One mode's step: its median time, and its instructions' device time a step."""
-  step, *carry = accelerator._one_device_step(tx, params, gradient_fn)
+def diloco_step(params, loss_fn, tokens):
+  """DiLoCo's plain step (AdamW inside, 4-bit outer gradients with error feedback), by
+  ``qsgd_jax.data_parallel`` over one device, which lays out its per-device parameters; and
+  the parameters (a copy a device) and state to start from. ``sync_every`` is far beyond
+  the steps a profile takes, so none of them syncs: what is measured is the step that runs
+  ``H - 1`` times in ``H``."""
+  mesh = accelerator._one_device_mesh()
+  axis = accelerator.AXIS
+  tx = qsgd_jax.diloco(optax.adamw(1e-4), axis, sync_every=DILOCO_SYNC_EVERY,
+                       average=qsgd_jax.qsgd(axis, bits=4, error_feedback=True))
+  init, step, _ = qsgd_jax.data_parallel(loss_fn, tx, mesh, donate=True)
+  copies = jax.device_put(jax.tree.map(lambda x: x[None], params),
+                          NamedSharding(mesh, P(axis)))  # As the step returns them.
+  return step, copies, init(params)
+
+
+def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: int) -> dict:
+  """One mode's step, ``step(params, state, tokens) -> (params, state, ...)``: its median
+  time, and its instructions' device time a step."""
+  carry = [params, state]
   # The program that runs is the one whose instructions are named: no second compilation
   # (autotuning on a GPU may choose other kernels).
   compiled = step.lower(carry[0], carry[1], tokens).compile()
 
   def run():
-    carry[0], carry[1] = compiled(carry[0], carry[1], tokens)
+    carry[0], carry[1] = compiled(carry[0], carry[1], tokens)[:2]
     return carry[0]
 
   for _ in range(2):  # The compressed Adams pass their freeze, PowerSGD its exact steps.
@@ -172,7 +197,7 @@ def main(argv=None) -> None:
 
   def loss_fn(params, tokens):
     logits = model.apply({"params": params}, tokens[:, :-1])
-    return accelerator.optax.softmax_cross_entropy_with_integer_labels(
+    return optax.softmax_cross_entropy_with_integer_labels(
         logits, tokens[:, 1:]).mean()
 
   record = {"jax": jax.__version__, "device": device.device_kind,
@@ -183,8 +208,11 @@ def main(argv=None) -> None:
   names = ["adamw"] + [name for name in args.modes if name != "adamw"]
   optimizers = accelerator.modes(parameters)
   for name in names:
-    mode = profile_mode(name, optimizers[name][0], params, jax.grad(loss_fn), tokens,
-                        args.repeats, args.traced)
+    if name == "diloco":
+      step = diloco_step(params, loss_fn, tokens)
+    else:
+      step = accelerator._one_device_step(optimizers[name][0], params, jax.grad(loss_fn))
+    mode = profile_mode(name, *step, tokens, args.repeats, args.traced)
     record["modes"][name] = mode
     print(f"\n{name}: step {mode['step_ms']:.2f} ms (median of {args.repeats}), "
           f"kernels {mode['traced_ms']:.2f} ms a step in the trace")

@@ -109,11 +109,12 @@ def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys)
 
 def test_step_profile_names_each_modes_kernels_by_their_jax_operation(tmp_path):
   step_profile = _load("step_profile")
-  step_profile.main(["--small", "--modes", "powersgd", "--repeats", "1", "--traced", "1",
-                     "--out", str(tmp_path / "profile.json")])
+  step_profile.main(["--small", "--modes", "powersgd", "diloco", "--repeats", "1",
+                     "--traced", "1", "--out", str(tmp_path / "profile.json")])
   record = json.loads((tmp_path / "profile.json").read_text())
   powersgd = record["modes"]["powersgd"]
-  assert set(record["modes"]) == {"adamw", "powersgd"}
+  assert set(record["modes"]) == {"adamw", "powersgd", "diloco"}
+  assert any("TransformerLM" in op for op in record["modes"]["diloco"]["operations"])
   assert 0 < powersgd["traced_ms"] and 0 < powersgd["step_ms"]
   # PowerSGD's own work (its QR on the CPU) is found under its name, the model's under the model's.
   assert any("qr" in op for op in powersgd["operations"])
