@@ -132,6 +132,8 @@ class Step:
     self.mu, self.nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
     self.count = optax.safe_increment(state.count)
     self.learning_rate = jnp.asarray(settings.schedule(state.count), jnp.float32)
+    # The learning rates' sum since the last synchronization, this step's included.
+    self.learning_rate_sum = state.learning_rate_sum + self.learning_rate
     self.momentum_correction = 1 - settings.b1 ** self.count if settings.bias_correction else 1.0
 
   def run(self) -> Outcome:
@@ -155,7 +157,7 @@ class Step:
       synchronizing = self.count % state.local_interval == 0
     else:
       synchronizing = jnp.bool_(True)
-    moved = state.learning_rate_sum + self.learning_rate > 0  # The local steps' sum, ahead.
+    moved = self.learning_rate_sum > 0  # Else a synchronization has no movement to read.
     kind = jnp.where(state.count >= state.freeze_count,
                      jnp.where(synchronizing, jnp.where(moved, 2, 3), 4),
                      jnp.where(is_variance_step, 0, 1))
@@ -273,7 +275,7 @@ class Step:
     else:
       accumulator = tuple(deltas[i] for i in compressed)
     return Local(deltas, *self.stored(mu, nu), denominators, accumulator,
-                 state.learning_rate_sum + self.learning_rate, finite)
+                 self.learning_rate_sum, finite)
 
   def synchronized(self, local: Local, average: list, moved: list):
     """The updates, momentum and accumulator of a synchronization: the compressed leaves'
