@@ -289,14 +289,20 @@ class ProcessWatch:
         return
       now = time.monotonic()
       with self._lock:
-        for index, peer in self._peers.items():
-          value = entries.get(_KEY + str(index))
-          if value != peer.value:
-            peer.value, peer.changed = value, now
+        self._record(entries, now)
         if all(_settled(peer.value) or now - peer.changed > self.failure_timeout
                for peer in self._peers.values()):
           return
       time.sleep(self._interval / 2)
+
+  def _record(self, entries, now: float) -> None:
+    """Takes the heartbeat values ``entries`` (``(key, value)`` pairs, or a dict) read at
+    ``now`` into the peers: a changed value is a beat. Call with the lock held."""
+    for key, value in dict(entries).items():
+      peer = self._peers.get(_process_of(key))
+      if peer is not None and value != peer.value:
+        peer.value, peer.changed = value, now
+        peer.changes += 1
 
   def _read_heartbeats(self, timeout: float) -> dict[str, str] | None:
     """Every process's heartbeat value by key, or ``None`` if the service fails or does not
@@ -332,11 +338,7 @@ class ProcessWatch:
       now = time.monotonic()
       with self._lock:
         self._last_reply = now
-        for key, value in entries:
-          peer = self._peers.get(_process_of(key))
-          if peer is not None and value != peer.value:
-            peer.value, peer.changed = value, now
-            peer.changes += 1
+        self._record(entries, now)
       self._stopped.wait(self._interval)
 
   def _judge_loop(self) -> None:
