@@ -230,12 +230,16 @@ def data_parallel(
         params = jax.tree.map(lambda x: x[0], params)  # This device's own copy.
       local = axes.as_varying(params, axis)
       value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
-      updates, opt_state = optimizer.update(grads, opt_state, local if local_update else params)
-      if not local_update:
+      # The parameters updated: this device's own with a local-update optimizer, else the
+      # replicated ones, which the averaged updates keep replicated.
+      updated = local if local_update else params
+      updates, opt_state = optimizer.update(grads, opt_state, updated)
+      if local_update:
+        new_params = jax.tree.map(lambda x: x[None], optax.apply_updates(updated, updates))
+      else:
         _check_averaged(updates, names)
-        return optax.apply_updates(params, updates), opt_state, _device_mean(value, names)
-      params = jax.tree.map(lambda x: x[None], optax.apply_updates(local, updates))
-      return params, opt_state, _device_mean(value, names)
+        new_params = optax.apply_updates(updated, updates)
+      return new_params, opt_state, _device_mean(value, names)
 
     batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
     # A scalar has no dimension to split: every device gets it whole.
