@@ -343,18 +343,26 @@ def powersgd_bytes_per_coordinate(params, rank: int = 4) -> float:
   return sent / total
 
 
-def steps(small: bool, batch: int, repeats: int, names=MODES) -> dict:
-  """Each mode's training step on one device, and its overhead over AdamW's."""
+def language_model(small: bool, batch: int):
+  """``(model, params, tokens, loss_fn)``: the steps' transformer, its parameters, a batch
+  of ``batch`` random sequences and ``loss_fn(params, tokens)``, next-byte cross-entropy."""
   model = _model(small)
-  length = model.context_length
-  tokens = jax.random.randint(jax.random.key(0), (batch, length + 1), 0, models.VOCAB_SIZE)
+  tokens = jax.random.randint(jax.random.key(0), (batch, model.context_length + 1), 0,
+                              models.VOCAB_SIZE)
   params = jax.jit(model.init)(jax.random.key(1), tokens[:1, :-1])["params"]
-  parameters = sum(leaf.size for leaf in jax.tree.leaves(params))
 
   def loss_fn(params, tokens):
     logits = model.apply({"params": params}, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
+  return model, params, tokens, loss_fn
+
+
+def steps(small: bool, batch: int, repeats: int, names=MODES) -> dict:
+  """Each mode's training step on one device, and its overhead over AdamW's."""
+  model, params, tokens, loss_fn = language_model(small, batch)
+  length = model.context_length
+  parameters = sum(leaf.size for leaf in jax.tree.leaves(params))
   out = {"parameters": parameters, "layers": model.num_layers, "width": model.width,
          "batch": batch, "length": length, "modes": {}}
   for name, (tx, wire_bytes) in modes(parameters).items():

@@ -30,10 +30,8 @@ import json
 import os
 import pathlib
 import re
-import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import optax
@@ -147,13 +145,9 @@ def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: i
     carry[0], carry[1] = compiled(carry[0], carry[1], tokens)[:2]
     return carry[0]
 
-  for _ in range(2):  # The compressed Adams pass their freeze, PowerSGD its exact steps.
-    jax.block_until_ready(run())
-  seconds = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    seconds.append(time.perf_counter() - start)
+  # Its warm-up calls take the compressed Adams past their freeze, PowerSGD past its exact
+  # steps, before the timed ones.
+  seconds = accelerator._seconds(run, (), repeats)
   names = op_names(compiled.as_text())
   module = compiled.as_text().split("\n", 1)[0].split()[1].rstrip(",")
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -167,7 +161,7 @@ def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: i
   by_operation = collections.Counter()
   for op, ms in per_step.items():
     by_operation[names.get(op) or op] += ms
-  return {"mode": name, "step_ms": 1e3 * statistics.median(seconds),
+  return {"mode": name, "step_ms": 1e3 * seconds,
           "traced_ms": sum(per_step.values()), "module": module,
           "instructions": [{"hlo_op": op, "ms": ms, "op_name": names.get(op) or ""}
                            for op, ms in sorted(per_step.items(),
@@ -188,17 +182,9 @@ def _short(op_name: str, width: int = 90) -> str:
 def main(argv=None) -> None:
   args = parse_args(argv)
   device = jax.devices()[0]
-  model = accelerator._model(args.small)
   batch = 2 if args.small else args.batch
-  tokens = jax.random.randint(jax.random.key(0), (batch, model.context_length + 1), 0,
-                              accelerator.models.VOCAB_SIZE)
-  params = jax.jit(model.init)(jax.random.key(1), tokens[:1, :-1])["params"]
+  _, params, tokens, loss_fn = accelerator.language_model(args.small, batch)
   parameters = sum(leaf.size for leaf in jax.tree.leaves(params))
-
-  def loss_fn(params, tokens):
-    logits = model.apply({"params": params}, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, 1:]).mean()
 
   record = {"jax": jax.__version__, "device": device.device_kind,
             "command": " ".join(["python", *sys.argv]),
