@@ -503,18 +503,20 @@ def test_partition_specs_and_resize():
                               resized.global_params)
 
 
+def _inner_jaxprs(params):
+  """The jaxprs an equation's ``params`` hold (a ``jit``'s, a ``cond``'s branches)."""
+  for value in params.values():
+    for x in value if isinstance(value, tuple | list) else (value,):
+      if isinstance(x, jax.extend.core.ClosedJaxpr):
+        yield x.jaxpr
+
+
 def _conds_holding_a_collective(jaxpr):
   """For each ``cond`` of ``jaxpr`` with a ``psum`` in a branch: the indices of the invars it
   depends on, through every equation before it."""
 
-  def inner(params):
-    for value in params.values():
-      for x in value if isinstance(value, tuple | list) else (value,):
-        if isinstance(x, jax.extend.core.ClosedJaxpr):
-          yield x.jaxpr
-
   def holds(jaxpr):
-    return any(e.primitive.name == "psum" or any(holds(j) for j in inner(e.params))
+    return any(e.primitive.name == "psum" or any(holds(j) for j in _inner_jaxprs(e.params))
                for e in jaxpr.eqns)
 
   depends = {v: {i} for i, v in enumerate(jaxpr.invars)}
@@ -547,15 +549,24 @@ def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_step_that_does_not_sync_leaves_the_whole_model_alone(delay):
   # The new local parameters and the outer gradient (params + update, global - local) are
-  # computed inside the branch of a fragment that syncs: outside every conditional, nothing of
-  # a parameter's shape is added or subtracted (the inner SGD only multiplies).
+  # computed inside the branch of a fragment that syncs, and a non-finite inner step is
+  # skipped by a conditional: outside every conditional, nothing of a parameter's shape is
+  # added, subtracted or selected (the inner SGD only multiplies).
   params = _params()
   tx = diloco(optax.sgd(0.1), AXIS, sync_every=4, fragments=2, delay=delay)
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, params))
   grads = jax.tree.map(jnp.ones_like, params)
   jaxpr = jax.make_jaxpr(tx.update, axis_env=[(AXIS, WORKERS)])(grads, state, params).jaxpr
   shapes = {np.shape(leaf) for leaf in jax.tree.leaves(params)}
-  whole_model = [eqn.primitive.name for eqn in jaxpr.eqns
-                 if eqn.primitive.name in ("add", "sub")
+
+  def outside_conds(jaxpr):  # Into jit's jaxprs (jnp.where is one), not into a cond's.
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name != "cond":
+        yield eqn
+        for inner in _inner_jaxprs(eqn.params):
+          yield from outside_conds(inner)
+
+  whole_model = [eqn.primitive.name for eqn in outside_conds(jaxpr)
+                 if eqn.primitive.name in ("add", "sub", "select_n")
                  and any(tuple(v.aval.shape) in shapes for v in eqn.outvars)]
   assert not whole_model

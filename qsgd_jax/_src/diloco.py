@@ -305,10 +305,12 @@ def diloco(
 
     inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
     inner_updates, new_inner_state = inner.update(updates, inner_state, params, **extra_args)
-    finite = base.all_finite(inner_updates)
-    inner_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)),
-                                 inner_updates)
-    new_inner_state = _select(finite, new_inner_state, inner_state)
+    # A device whose inner step is not finite skips it: a conditional, as an element-wise
+    # select would pass over the updates and the whole inner state on every step.
+    stepped, kept = _typed_alike((inner_updates, new_inner_state),
+                                 (jax.tree.map(jnp.zeros_like, inner_updates), inner_state))
+    inner_updates, new_inner_state = jax.lax.cond(
+        base.all_finite(inner_updates), lambda: stepped, lambda: kept)
 
     leaves, treedef = jax.tree.flatten(params)
     steps = treedef.flatten_up_to(inner_updates)
@@ -448,6 +450,21 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
 def _cond(predicate, true_fn, false_fn):
   """``jax.lax.cond`` on a step-count predicate, the same on every device."""
   return jax.lax.cond(predicate, true_fn, false_fn)
+
+
+def _typed_alike(a, b):
+  """``a`` and ``b``, two trees of one structure, each pair of leaves typed as varying over
+  the axes either of them varies over (under ``jax.shard_map``), so that a conditional may
+  return either."""
+
+  def alike(x, y):
+    names = tuple(sorted(jax.typeof(x).manual_axis_type.varying
+                         | jax.typeof(y).manual_axis_type.varying))
+    return (axes.as_varying(x, names), axes.as_varying(y, names)) if names else (x, y)
+
+  pairs = jax.tree.map(alike, a, b)
+  return (jax.tree.map(lambda _, pair: pair[0], a, pairs),
+          jax.tree.map(lambda _, pair: pair[1], a, pairs))
 
 
 def _select(condition, new, old):
