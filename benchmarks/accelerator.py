@@ -96,6 +96,9 @@ COMPRESSORS = {
 }
 TARGET_FRACTION_OF_COPY = 0.6
 TARGET_STEP_OVERHEAD = 0.10
+# A training step is timed over steps dispatched back to back for at least this long, as a
+# training loop runs them; its one-call latency would add the host's dispatch and wait.
+STEP_SAMPLE_SECONDS = 0.25
 LINK_GBIT_PER_S = (10, 100, 400)
 DEVICE_COUNTS = (8, 64)
 LINK_LATENCY = 10e-6  # Seconds a message, an InfiniBand or RoCE hop.
@@ -132,14 +135,15 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def _seconds(fn, args, repeats: int) -> float:
+def _seconds(fn, args, repeats: int, sample_seconds: float = 1e-3) -> float:
   """Median seconds a call: ``repeats`` samples after a warm-up, each of enough calls
-  dispatched back to back (then waited on) to last a millisecond, so that a short kernel is
-  timed without the host's dispatch and wait around every call."""
+  dispatched back to back (then waited on) to last ``sample_seconds``, so that a call is
+  timed without the host's dispatch and wait around every one: as a training loop runs
+  steps, the host dispatching the next while the device computes this one."""
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
-  calls = min(100, max(1, math.ceil(1e-3 / (time.perf_counter() - start))))
+  calls = min(100, max(1, math.ceil(sample_seconds / (time.perf_counter() - start))))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -378,7 +382,7 @@ def steps(small: bool, batch: int, repeats: int, names=MODES) -> dict:
     jax.block_until_ready(run())  # Compiles; the compressed Adams pass their freeze.
     jax.block_until_ready(run())  # PowerSGD past its exact steps.
     compile_seconds = time.perf_counter() - start
-    seconds = _seconds(lambda: run(), (), repeats)
+    seconds = _seconds(lambda: run(), (), repeats, STEP_SAMPLE_SECONDS)
     if wire_bytes is None:
       wire_bytes = powersgd_bytes_per_coordinate(params)
     out["modes"][name] = {"ms": 1e3 * seconds, "compile_s": compile_seconds,

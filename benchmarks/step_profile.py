@@ -3,7 +3,9 @@
 Builds ``benchmarks/accelerator.py``'s one-device steps (a GPT-2-small-shaped
 language model, each mode's optimizer with its collective over one device;
 ``diloco``, DiLoCo's step between syncs, through ``qsgd_jax.data_parallel``),
-times each (median of ``--repeats`` steps), then runs ``--traced`` steps under
+times each (median of ``--repeats`` samples of steps dispatched back to back, as a
+training loop runs them; and, apart, one call dispatched and waited on, which adds the
+host's work around a call that a loop hides), then runs ``--traced`` steps under
 ``jax.profiler.trace`` and reads the trace back with ``jax.profiler.ProfileData``:
 every event that names an HLO instruction of the step's program (on a GPU
 the kernels on the device's streams, on the CPU the thunks) is summed per
@@ -147,7 +149,8 @@ def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: i
 
   # Its warm-up calls take the compressed Adams past their freeze, PowerSGD past its exact
   # steps, before the timed ones.
-  seconds = accelerator._seconds(run, (), repeats)
+  seconds = accelerator._seconds(run, (), repeats, accelerator.STEP_SAMPLE_SECONDS)
+  call_seconds = accelerator._seconds(run, (), repeats)
   names = op_names(compiled.as_text())
   module = compiled.as_text().split("\n", 1)[0].split()[1].rstrip(",")
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -161,7 +164,7 @@ def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: i
   by_operation = collections.Counter()
   for op, ms in per_step.items():
     by_operation[names.get(op) or op] += ms
-  return {"mode": name, "step_ms": 1e3 * seconds,
+  return {"mode": name, "step_ms": 1e3 * seconds, "call_ms": 1e3 * call_seconds,
           "traced_ms": sum(per_step.values()), "module": module,
           "instructions": [{"hlo_op": op, "ms": ms, "op_name": names.get(op) or ""}
                            for op, ms in sorted(per_step.items(),
@@ -201,6 +204,7 @@ def main(argv=None) -> None:
     mode = profile_mode(name, *step, tokens, args.repeats, args.traced)
     record["modes"][name] = mode
     print(f"\n{name}: step {mode['step_ms']:.2f} ms (median of {args.repeats}), "
+          f"one call waited on {mode['call_ms']:.2f} ms, "
           f"kernels {mode['traced_ms']:.2f} ms a step in the trace")
     for row in mode["instructions"][: args.top]:
       print(f"  {row['ms']:8.3f} ms  {row['hlo_op']:<28} {_short(row['op_name'])}")

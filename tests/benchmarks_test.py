@@ -115,7 +115,7 @@ def test_step_profile_names_each_modes_kernels_by_their_jax_operation(tmp_path):
   powersgd = record["modes"]["powersgd"]
   assert set(record["modes"]) == {"adamw", "powersgd", "diloco"}
   assert any("TransformerLM" in op for op in record["modes"]["diloco"]["operations"])
-  assert 0 < powersgd["traced_ms"] and 0 < powersgd["step_ms"]
+  assert 0 < powersgd["traced_ms"] and 0 < powersgd["step_ms"] and 0 < powersgd["call_ms"]
   # PowerSGD's own work (its QR on the CPU) is found under its name, the model's under the model's.
   assert any("qr" in op for op in powersgd["operations"])
   assert any("TransformerLM" in op for op in record["modes"]["adamw"]["operations"])
