@@ -96,8 +96,9 @@ COMPRESSORS = {
 }
 TARGET_FRACTION_OF_COPY = 0.6
 TARGET_STEP_OVERHEAD = 0.10
-# A training step is timed over steps dispatched back to back for at least this long, as a
-# training loop runs them; its one-call latency would add the host's dispatch and wait.
+# A training step is timed over steps dispatched back to back for about this long (at most
+# 100 of them), as a training loop runs them; one call waited on would add the host's
+# dispatch and wait to its time.
 STEP_SAMPLE_SECONDS = 0.25
 LINK_GBIT_PER_S = (10, 100, 400)
 DEVICE_COUNTS = (8, 64)
@@ -136,10 +137,12 @@ def parse_args(argv=None):
 
 
 def _seconds(fn, args, repeats: int, sample_seconds: float = 1e-3) -> float:
-  """Median seconds a call: ``repeats`` samples after a warm-up, each of enough calls
-  dispatched back to back (then waited on) to last ``sample_seconds``, so that a call is
-  timed without the host's dispatch and wait around every one: as a training loop runs
-  steps, the host dispatching the next while the device computes this one."""
+  """Median seconds a call: ``repeats`` samples after a warm-up, each of as many calls
+  dispatched back to back (then waited on) as one waited-on call's time says will last
+  ``sample_seconds`` (at least 1, at most 100), so that a call is timed without the host's
+  dispatch and wait around every one: as a training loop runs steps, the host dispatching
+  the next while the device computes this one. ``sample_seconds=0`` times one call at a
+  time."""
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))

@@ -150,7 +150,7 @@ def profile_mode(name: str, step, params, state, tokens, repeats: int, traced: i
   # Its warm-up calls take the compressed Adams past their freeze, PowerSGD past its exact
   # steps, before the timed ones.
   seconds = accelerator._seconds(run, (), repeats, accelerator.STEP_SAMPLE_SECONDS)
-  call_seconds = accelerator._seconds(run, (), repeats)
+  call_seconds = accelerator._seconds(run, (), repeats, sample_seconds=0.0)  # One call.
   names = op_names(compiled.as_text())
   module = compiled.as_text().split("\n", 1)[0].split()[1].rstrip(",")
   with tempfile.TemporaryDirectory() as trace_dir:

@@ -140,11 +140,11 @@ def accumulate_gradients(
 
     def run():
       new_updates, inner_state = run_inner()
-      return new_updates, _varying_like(inner_state, state.inner_state)
+      return new_updates, axes.varying_like(inner_state, state.inner_state)
 
     def hold():
       zeros = jax.tree.map(_zeros, ran[0])
-      return _varying_like((zeros, state.inner_state), ran)
+      return axes.varying_like((zeros, state.inner_state), ran)
 
     applies = state.mini_step == every_k_steps - 1
     new_updates, inner_state = jax.lax.cond(applies, run, hold)
@@ -167,15 +167,3 @@ def _zeros(x):
   refuses, as optax makes them, a numpy array."""
   return np.zeros(x.shape, x.dtype) if x.dtype == jax.dtypes.float0 else jnp.zeros(
       x.shape, x.dtype)
-
-
-def _varying_like(tree, like):
-  """``tree``, each leaf also varying over the axes its match in ``like`` varies over."""
-
-  def cast(x, other):
-    other_type = other if isinstance(other, jax.ShapeDtypeStruct) else jax.typeof(other)
-    # None where nothing is tracked (pmap, or no mapped axis).
-    manual = other_type.manual_axis_type
-    return axes.as_varying(x, tuple(manual.varying)) if manual and manual.varying else x
-
-  return jax.tree.map(cast, tree, like)

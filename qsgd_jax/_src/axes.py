@@ -145,6 +145,23 @@ def tracked(names: tuple[str, ...]) -> tuple[str, ...]:
                if name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying)
 
 
+def varying_like(tree, like):
+  """``tree``, each leaf also typed as varying over the axes its match in ``like`` (a tree of
+  arrays or ``jax.ShapeDtypeStruct``, of ``tree``'s structure) varies over.
+
+  The two branches of a ``jax.lax.cond`` under ``jax.shard_map`` must return the same types:
+  ``varying_like(a, b)`` and ``varying_like(b, a)`` are ``a`` and ``b`` typed alike.
+  """
+
+  def cast(x, other):
+    other_type = other if isinstance(other, jax.ShapeDtypeStruct) else jax.typeof(other)
+    # None where nothing is tracked (pmap, or no mapped axis).
+    manual = other_type.manual_axis_type
+    return as_varying(x, tuple(manual.varying)) if manual and manual.varying else x
+
+  return jax.tree.map(cast, tree, like)
+
+
 def all_gather_replicated(x: jax.Array, axis_name) -> jax.Array:
   """``jax.lax.all_gather(x, axis_name)`` (stacked), typed replicated where that is tracked.
 
