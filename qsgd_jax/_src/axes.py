@@ -145,6 +145,13 @@ def tracked(names: tuple[str, ...]) -> tuple[str, ...]:
                if name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying)
 
 
+def varying_axes(x) -> tuple[str, ...]:
+  """The axes ``jax.shard_map`` types ``x`` (an array or a ``jax.ShapeDtypeStruct``) as
+  varying over, sorted; none where nothing is tracked (``jax.pmap``, no mapped axis)."""
+  manual = (x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)).manual_axis_type
+  return tuple(sorted(manual.varying)) if manual else ()
+
+
 def varying_like(tree, like):
   """``tree``, each leaf also typed as varying over the axes its match in ``like`` (a tree of
   arrays or ``jax.ShapeDtypeStruct``, of ``tree``'s structure) varies over.
@@ -154,10 +161,8 @@ def varying_like(tree, like):
   """
 
   def cast(x, other):
-    other_type = other if isinstance(other, jax.ShapeDtypeStruct) else jax.typeof(other)
-    # None where nothing is tracked (pmap, or no mapped axis).
-    manual = other_type.manual_axis_type
-    return as_varying(x, tuple(manual.varying)) if manual and manual.varying else x
+    names = varying_axes(other)
+    return as_varying(x, names) if names else x
 
   return jax.tree.map(cast, tree, like)
 

@@ -363,8 +363,9 @@ def _innermost_state(tree, path):
 
 
 def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:
-  manual = jax.typeof(x).manual_axis_type
-  return tuple(name for name in names if manual is not None and name in manual.varying)
+  """Those of ``names`` that ``x`` varies over, in their order."""
+  varying = axes.varying_axes(x)
+  return tuple(name for name in names if name in varying)
 
 
 def _device_mean(tree, names: tuple[str, ...]):

@@ -312,8 +312,9 @@ def diloco(
     stepped = (inner_updates, new_inner_state)
     kept = (jax.tree.map(jnp.zeros_like, inner_updates), inner_state)
     # Typed alike, and varying wherever the predicate does (as jnp.where's result would be).
-    stepped, kept = (axes.as_varying(axes.varying_like(a, b), _varying_axes(finite))
-                     for a, b in ((stepped, kept), (kept, stepped)))
+    stepped, kept = axes.varying_like(stepped, kept), axes.varying_like(kept, stepped)
+    if names := axes.varying_axes(finite):
+      stepped, kept = axes.as_varying((stepped, kept), names)
     inner_updates, new_inner_state = jax.lax.cond(finite, lambda: stepped, lambda: kept)
 
     leaves, treedef = jax.tree.flatten(params)
@@ -454,12 +455,6 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
 def _cond(predicate, true_fn, false_fn):
   """``jax.lax.cond`` on a step-count predicate, the same on every device."""
   return jax.lax.cond(predicate, true_fn, false_fn)
-
-
-def _varying_axes(x) -> tuple[str, ...] | None:
-  """The axes ``x`` varies over under ``jax.shard_map``; ``None`` where none is tracked."""
-  manual = jax.typeof(x).manual_axis_type
-  return tuple(sorted(manual.varying)) if manual and manual.varying else None
 
 
 def _select(condition, new, old):

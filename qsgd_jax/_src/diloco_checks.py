@@ -84,7 +84,7 @@ def from_first_device(params, parsed: axes.Axes):
     return jax.tree.map(jnp.copy, params)
 
   def broadcast(x):
-    varying = tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+    varying = axes.varying_axes(x)
     if not varying:
       return jnp.copy(x)
     first = jax.lax.axis_index(varying) == 0

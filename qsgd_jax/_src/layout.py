@@ -124,18 +124,13 @@ def piece(block: BlockParts, index: jax.Array) -> jax.Array:
   if block.written is not None:
     return jax.lax.dynamic_index_in_dim(block.written, index, axis=1, keepdims=False)
   varying = sorted({name for row in block.parts for parts in row for part in parts
-                    for name in _varying_axes(part)})
+                    for name in axes_lib.varying_axes(part)})
 
   def branch(j):
     out = jnp.stack([_concatenate(row[j]) for row in block.parts])
     return axes_lib.as_varying(out, tuple(varying)) if varying else out
 
   return jax.lax.switch(index, [lambda j=j: branch(j) for j in range(block.rows)])
-
-
-def _varying_axes(x: jax.Array) -> tuple[str, ...]:
-  manual = jax.typeof(x).manual_axis_type
-  return () if manual is None else tuple(manual.varying)
 
 
 def _concatenate(parts: tuple[jax.Array, ...]) -> jax.Array:
