@@ -349,7 +349,7 @@ def onebit_adam(
     >>> state = jax.pmap(tx.init, axis_name="batch")(params)
     >>> step = jax.pmap(tx.update, axis_name="batch")
     >>> for _ in range(3):  # Two float32 warm-up steps, then 1-bit ones.
-    ...   updates, state = step(jnp.ones((n, 64)), state, params)
+    ...   updates, state = jax.block_until_ready(step(jnp.ones((n, 64)), state, params))
     >>> bool(jnp.allclose(updates, -1e-3))
     True
 

@@ -202,7 +202,7 @@ def powersgd(
     >>> step = jax.pmap(tx.update, axis_name="batch")
     >>> grads = jnp.ones((n, 256, 64))  # Of rank one: sent exactly, in 256 + 64 numbers.
     >>> for _ in range(3):
-    ...   updates, state = step(grads, state)
+    ...   updates, state = jax.block_until_ready(step(grads, state))
     >>> bool(jnp.allclose(updates, -0.1))
     True
     >>> float(qsgd_jax.compression_stats(state).compression_ratio[0]) > 50

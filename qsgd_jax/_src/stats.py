@@ -172,7 +172,7 @@ def accumulate_stats(total: RunStats | None, step) -> RunStats:
     >>> step = jax.pmap(tx.update, axis_name="batch")
     >>> run = None
     >>> for _ in range(4):
-    ...   _, state = step(jnp.ones((n, 256, 64)), state)
+    ...   _, state = jax.block_until_ready(step(jnp.ones((n, 256, 64)), state))
     ...   run = qsgd_jax.accumulate_stats(run, state)
     >>> int(run.steps[0]), n == 1 or bool(1.9 < run.compression_ratio[0] < 2)
     (4, True)
