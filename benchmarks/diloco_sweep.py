@@ -1,7 +1,7 @@
 """DiLoCo on the language model: the sweep behind ``docs/guides/local_updates.md``.
 
   python benchmarks/diloco_sweep.py --workdir=runs/diloco_sweep [--reuse_runs] \
-      [--results=benchmarks/results/lm_diloco]
+      [--reuse_results] [--results=benchmarks/results/lm_diloco]
 
 Trains ``examples/lm/configs/small.py`` (2 layers of width 128, batch 32 of
 64 bytes, 300 steps of AdamW) once per run of :data:`RUNS`, one after the
@@ -10,7 +10,9 @@ other, on 8 simulated CPU devices, each into ``DIR/<mode>/`` as
 sync_every=50`` is ``--config.optimizer=diloco --config.average=fp32
 --config.sync_every=50``); ``--reuse_runs`` reads a run's ``summary.json``
 there instead of training it again (``python -m examples.lm.compare
---workdir=DIR --modes=MODE`` trains the same run). Every DiLoCo run averages
+--workdir=DIR --modes=MODE`` trains the same run), and ``--reuse_results``
+takes it from the results written before, so that a run added to :data:`RUNS`
+trains alone. Every DiLoCo run averages
 the gradients in float32 inside a worker (``fp32``) and is otherwise the
 config's defaults but where its mode says: 2 workers of 4 devices, a sync every
 20 steps, outer gradients in 4-bit QSGD with error feedback, outer SGD at
@@ -51,12 +53,19 @@ from examples.lm import compare, devices  # noqa: E402
 from examples.lm.configs import small  # noqa: E402
 
 DILOCO = "diloco+fp32"  # 2 workers, H = 20, 4-bit outer gradients, outer SGD at lr 1.
-LONG = "+num_train_steps=1200+warmup_steps=120"  # The warm-up a tenth of the steps, as in 300.
+
+
+def steps(count: int) -> str:
+  """A mode's part for a run of ``count`` steps, the warm-up a tenth of them as in 300."""
+  return f"+num_train_steps={count}+warmup_steps={count // 10}"
+
+
+LONG = steps(1200)
 # (group, mode): what each run answers, the baselines first.
 RUNS = (
     ("data parallel", "fp32"),
     ("data parallel", "fp32+seed=1"),
-    ("data parallel", "fp32" + LONG),
+    *(("data parallel", "fp32" + steps(count)) for count in (1200, 2400, 4800)),
     ("outer optimizer", DILOCO),
     ("outer optimizer", DILOCO + "+outer_learning_rate=0.8"),
     ("outer optimizer", DILOCO + "+outer_learning_rate=1.4"),
@@ -68,7 +77,7 @@ RUNS = (
     ("inner learning rate", DILOCO + "+outer_momentum=0.5+learning_rate=0.01"),
     ("seed", DILOCO + "+seed=1"),
     ("seed", DILOCO + "+outer_momentum=0.5+seed=1"),
-    ("steps", DILOCO + LONG),
+    *(("steps", DILOCO + steps(count)) for count in (1200, 2400, 4800)),
     ("steps", DILOCO + "+outer_momentum=0.5" + LONG),
     ("steps", DILOCO + "+outer_learning_rate=0.7+outer_momentum=0.9" + LONG),
     ("steps", DILOCO + "+learning_rate=0.01" + LONG),
@@ -77,10 +86,11 @@ RUNS = (
     *(("sync every", f"{DILOCO}+sync_every={every}") for every in (1, 5, 10, 50, 100)),
     *(("outer average", f"{DILOCO}+outer_average={average}") for average in ("fp32", "bf16",
                                                                               "onebit")),
-    ("streaming", DILOCO + "+fragments=2+fragment_delay=1"),
-    ("streaming", DILOCO + "+fragments=2+fragment_delay=5"),
+    *(("streaming", f"{DILOCO}+fragments=2+fragment_delay={delay}") for delay in (1, 2, 3, 5)),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=5+fragment_alpha=0.5"),
     ("streaming", DILOCO + "+fragments=3+fragment_delay=2"),
+    *(("streaming", f"{DILOCO}+sync_every=50+fragments=2+fragment_delay={delay}")
+      for delay in (1, 5)),
 )
 DATA_PARALLEL = ("fp32", "bf16")
 SETTINGS = ("average", "diloco_workers", "sync_every", "outer_average", "outer_learning_rate",
@@ -144,6 +154,13 @@ def bf16_from_comparison(path: pathlib.Path) -> dict | None:
   if any(ours[k] != theirs[k] for k in theirs.keys() & ours.keys() - MODE_FIELDS):
     return None
   return next((r for r in comparison["runs"] if r["mode"] == "bf16"), None)
+
+
+def stored_runs(path: pathlib.Path) -> dict[str, dict]:
+  """The runs of an earlier sweep's ``PREFIX.json`` by mode (none if it is not there)."""
+  if not path.exists():
+    return {}
+  return {run["mode"]: run for run in json.loads(path.read_text())["runs"]}
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -213,6 +230,9 @@ def main(argv=None) -> int:
                       help="directory for the runs, one a mode")
   parser.add_argument("--reuse_runs", action="store_true",
                       help="read a run's DIR/<mode>/summary.json if it exists")
+  parser.add_argument("--reuse_results", action="store_true",
+                      help="take a run from PREFIX.json (the results written before) if it "
+                      "holds the mode with the same settings: only runs added to RUNS train")
   parser.add_argument("--results", type=pathlib.Path,
                       default=_ROOT / "benchmarks" / "results" / "lm_diloco",
                       help="write PREFIX.json and PREFIX.md")
@@ -227,13 +247,17 @@ def main(argv=None) -> int:
   workdir = args.workdir
   for _, mode in RUNS:  # Every mode checked before the first run.
     configured(mode)
+  stored = stored_runs(args.results.with_suffix(".json")) if args.reuse_results else {}
   start = time.perf_counter()
   runs = []
   for group, mode in RUNS:
     config = configured(mode)
-    runs.append({"group": group, "mode": mode,
-                 "settings": {"optimizer": config.optimizer} | {k: config[k] for k in SETTINGS},
-                 **summary_of(mode, workdir, args.reuse_runs)})
+    settings = {"optimizer": config.optimizer} | {k: config[k] for k in SETTINGS}
+    run = stored.get(mode)
+    if run is None or run["settings"] != settings:
+      run = summary_of(mode, workdir, args.reuse_runs)
+    runs.append({"group": group, "mode": mode, "settings": settings} | {
+        k: v for k, v in run.items() if k not in ("group", "mode", "settings")})
   bf16 = None
   if not any(r["mode"].split("+")[0] == "bf16" for r in runs):
     bf16 = bf16_from_comparison(args.lm_comparison)

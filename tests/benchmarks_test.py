@@ -133,3 +133,32 @@ def test_orthogonalize_benchmark_measures_every_way_on_gpt2s_factors(tmp_path):
     assert ways["gram_schmidt_once"]["orthonormality"] > 1e-5
     assert ways["gram_schmidt_twice"]["orthonormality"] <= 1e-6
     assert ways["qr_one_at_a_time"]["orthonormality"] <= 1e-6
+
+
+def test_diloco_sweep_trains_only_the_runs_its_results_lack(tmp_path, monkeypatch):
+  sweep = _load("diloco_sweep")
+  dp, added = "fp32", "diloco+fp32+sync_every=5"
+  monkeypatch.setattr(sweep, "RUNS", (("data parallel", dp), ("sync every", added)))
+  config = sweep.configured(dp)
+  settings = {"optimizer": config.optimizer} | {k: config[k] for k in sweep.SETTINGS}
+  stored = {"mode": dp, "group": "data parallel", "settings": settings, "optimizer": "adamw",
+            "steps": 300, "eval_loss": 1.9, "eval_curve": [[100, 2.5], [300, 1.9]],
+            "wire_bytes_per_step": 4000.0, "num_params": 1000, "train_seconds": 60.0,
+            "compile_seconds": 20.0}
+  prefix = tmp_path / "lm_diloco"
+  prefix.with_suffix(".json").write_text(json.dumps({"runs": [stored]}))
+  trained = []
+
+  def train(mode, workdir, reuse_runs):
+    trained.append(mode)
+    return stored | {"optimizer": "diloco", "eval_loss": 2.2, "mean_wire_bytes_per_step": 40.0}
+
+  monkeypatch.setattr(sweep, "summary_of", train)
+  sweep.main(["--workdir", str(tmp_path), "--reuse_results", "--results", str(prefix),
+              "--lm_comparison", str(tmp_path / "absent.json")])
+  runs = {run["mode"]: run for run in json.loads(prefix.with_suffix(".json").read_text())["runs"]}
+  assert trained == [added]
+  assert runs[dp]["eval_loss"] == 1.9 and runs[dp]["eval_loss_minus_fp32"] == 0
+  assert runs[added]["eval_loss_minus_fp32"] == pytest.approx(0.3)
+  assert runs[added]["fp32_steps_to_this_loss"] == pytest.approx(100 + 200 * 0.3 / 0.6)
+  assert runs[added]["fp32_bytes_over_bytes"] == 100
