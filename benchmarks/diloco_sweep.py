@@ -89,6 +89,7 @@ RUNS = (
     *(("streaming", f"{DILOCO}+fragments=2+fragment_delay={delay}") for delay in (1, 2, 3, 5)),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=5+fragment_alpha=0.5"),
     ("streaming", DILOCO + "+fragments=3+fragment_delay=2"),
+    ("streaming", DILOCO + "+fragment_delay=5"),  # One fragment, its exchange overlapped.
     *(("streaming", f"{DILOCO}+sync_every=50+fragments=2+fragment_delay={delay}")
       for delay in (1, 5)),
 )
@@ -208,9 +209,11 @@ def table(runs: list[dict]) -> str:
   for run in runs:
     settings = run["settings"]
     diloco = settings["optimizer"] == "diloco"
-    streaming = (f", {settings['fragments']} fragments, delay {settings['fragment_delay']}"
+    fragments = settings["fragments"]
+    streaming = (f", {fragments} fragment{'s' if fragments > 1 else ''}, delay "
+                 f"{settings['fragment_delay']}"
                  + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
-                 if diloco and settings["fragments"] > 1 else "")
+                 if diloco and (fragments > 1 or settings["fragment_delay"]) else "")
     ratios = " / ".join("-" if run[f"{b}_bytes_over_bytes"] is None
                         else f"{run[f'{b}_bytes_over_bytes']:,.1f}x" for b in DATA_PARALLEL)
     lines.append(

@@ -211,9 +211,10 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
                if settings["outer_nesterov"] else f"momentum {momentum:g}")
       outer += f", lr {settings['outer_learning_rate']:g}"
       every = str(settings["sync_every"]) + (
-          f" ({settings['fragments']} fragments, delay {settings['fragment_delay']}"
+          f" ({settings['fragments']} fragment{'s' if settings['fragments'] > 1 else ''}, "
+          f"delay {settings['fragment_delay']}"
           + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
-          + ")" if settings["fragments"] > 1 else "")
+          + ")" if settings["fragments"] > 1 or settings["fragment_delay"] else "")
       cells = [str(settings["diloco_workers"]), every, settings["outer_average"], outer]
       name = "DiLoCo" + (f", inner lr {settings['learning_rate']:g}"
                          if settings["learning_rate"] != sweep["config"]["learning_rate"] else "")
