@@ -11,8 +11,9 @@ sync_every=50`` is ``--config.optimizer=diloco --config.average=fp32
 --config.sync_every=50``); ``--reuse_runs`` reads a run's ``summary.json``
 there instead of training it again (``python -m examples.lm.compare
 --workdir=DIR --modes=MODE`` trains the same run), and ``--reuse_results``
-takes it from the results written before, so that a run added to :data:`RUNS`
-trains alone. Every DiLoCo run averages
+takes it from the results written before if they trained the same config, so
+that only the runs new to :data:`RUNS`, or changed, train. The bf16 data
+parallel run is read again from ``lm_comparison.json`` each time. Every DiLoCo run averages
 the gradients in float32 inside a worker (``fp32``) and is otherwise the
 config's defaults but where its mode says: 2 workers of 4 devices, a sync every
 20 steps, outer gradients in 4-bit QSGD with error feedback, outer SGD at
@@ -158,10 +159,20 @@ def bf16_from_comparison(path: pathlib.Path) -> dict | None:
 
 
 def stored_runs(path: pathlib.Path) -> dict[str, dict]:
-  """The runs of an earlier sweep's ``PREFIX.json`` by mode (none if it is not there)."""
+  """The runs of an earlier sweep's ``PREFIX.json`` by mode: none if it is not there or
+  trained another config than ``small.py``'s now (every run then trains again)."""
   if not path.exists():
     return {}
-  return {run["mode"]: run for run in json.loads(path.read_text())["runs"]}
+  stored = json.loads(path.read_text())
+  ours = small.get_config().to_dict()
+  theirs = stored["config"]
+  changed = sorted(k for k in theirs.keys() | ours.keys() - MODE_FIELDS
+                   if k not in MODE_FIELDS and ours.get(k) != theirs.get(k))
+  if changed:
+    print(f"{path} trained another config ({', '.join(changed)} differ): every run trains "
+          "again.", file=sys.stderr)
+    return {}
+  return {run["mode"]: run for run in stored["runs"]}
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -235,7 +246,8 @@ def main(argv=None) -> int:
                       help="read a run's DIR/<mode>/summary.json if it exists")
   parser.add_argument("--reuse_results", action="store_true",
                       help="take a run from PREFIX.json (the results written before) if it "
-                      "holds the mode with the same settings: only runs added to RUNS train")
+                      "holds the mode with the same settings and config: only runs new to RUNS, "
+                      "or changed, train")
   parser.add_argument("--results", type=pathlib.Path,
                       default=_ROOT / "benchmarks" / "results" / "lm_diloco",
                       help="write PREFIX.json and PREFIX.md")

@@ -144,9 +144,12 @@ def test_diloco_sweep_trains_only_the_runs_its_results_lack(tmp_path, monkeypatc
   stored = {"mode": dp, "group": "data parallel", "settings": settings, "optimizer": "adamw",
             "steps": 300, "eval_loss": 1.9, "eval_curve": [[100, 2.5], [300, 1.9]],
             "wire_bytes_per_step": 4000.0, "num_params": 1000, "train_seconds": 60.0,
-            "compile_seconds": 20.0}
+            "compile_seconds": 20.0, "eval_loss_minus_fp32": 0.5}
+  # The DiLoCo run is stored too, but from other settings: it trains again.
+  other = stored | {"mode": added, "settings": settings | {"sync_every": 7}}
   prefix = tmp_path / "lm_diloco"
-  prefix.with_suffix(".json").write_text(json.dumps({"runs": [stored]}))
+  prefix.with_suffix(".json").write_text(json.dumps(
+      {"config": config.to_dict(), "runs": [stored, other]}))
   trained = []
 
   def train(mode, workdir, reuse_runs):
@@ -162,3 +165,12 @@ def test_diloco_sweep_trains_only_the_runs_its_results_lack(tmp_path, monkeypatc
   assert runs[added]["eval_loss_minus_fp32"] == pytest.approx(0.3)
   assert runs[added]["fp32_steps_to_this_loss"] == pytest.approx(100 + 200 * 0.3 / 0.6)
   assert runs[added]["fp32_bytes_over_bytes"] == 100
+
+  # Results of another config are not taken: every run trains again.
+  trained.clear()
+  results = json.loads(prefix.with_suffix(".json").read_text())
+  results["config"]["width"] += 1
+  prefix.with_suffix(".json").write_text(json.dumps(results))
+  sweep.main(["--workdir", str(tmp_path), "--reuse_results", "--results", str(prefix),
+              "--lm_comparison", str(tmp_path / "absent.json")])
+  assert trained == [dp, added]
