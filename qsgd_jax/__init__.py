@@ -33,6 +33,7 @@ from qsgd_jax._src.decentralized import (
     low_precision_decentralized,
 )
 from qsgd_jax._src.diloco import DiLoCoState, diloco
+from qsgd_jax._src.diloco_exchange import SplitAverageState
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import fsdp_gather, fsdp_remat_policy
 from qsgd_jax._src.fsdp_onebit import (
@@ -110,6 +111,7 @@ __all__ = (
     "RunStats",
     "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
+    "SplitAverageState",
     "ZeroOneAdamState",
     "accumulate_gradients",
     "accumulate_stats",

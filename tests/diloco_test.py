@@ -433,15 +433,20 @@ def test_average_over_another_axis_raises():
     jax.jit(run)(params, jax.jit(init)(params))
 
 
-def test_two_level_mesh_matches_reference():
-  """Two workers of four devices: the inner chain averages over "inner", DiLoCo over "outer"."""
-  mesh = jax.make_mesh((2, 4), ("outer", "inner"))
-  inner = optax.chain(
+def _two_level_inner():
+  """SGD on the gradients averaged over a worker's four devices (the "inner" axis)."""
+  return optax.chain(
       qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "inner", min_compressed_size=1),
       optax.sgd(0.1))
-  tx = diloco(inner, "outer", sync_every=2, outer_optimizer=optax.sgd(0.7, momentum=0.9))
+
+
+def _run_two_level(tx, targets, steps, state_axes=("outer", "inner")):
+  """Params and state after ``steps`` on two workers of four devices ("outer", "inner"), the
+  state laid out along ``state_axes``."""
+  mesh = jax.make_mesh((2, 4), ("outer", "inner"))
   both = ("outer", "inner")
-  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
+  with jax.set_mesh(mesh):  # Binds split_axis's size for init under jax.eval_shape.
+    specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), state_axes)
   own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
 
   def step(params, state, target):
@@ -456,24 +461,122 @@ def test_two_level_mesh_matches_reference():
                                out_specs=specs))
   run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("outer"), specs, P(both)),
                               out_specs=(P("outer"), specs)))
-  steps, treedef = 5, jax.tree.structure(_params())
-  targets = _targets(steps)
+  treedef = jax.tree.structure(_params())
   params = jax.device_put(_stack(_params(), 2), NamedSharding(mesh, P("outer")))
   state = init(params)
   for t in range(steps):
     target = jax.device_put(jax.tree.unflatten(treedef, targets[t]), NamedSharding(mesh, P(both)))
     params, state = jax.block_until_ready(run(params, state, target))
+  return params, state
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_two_level_mesh_matches_reference(delay):
+  """Two workers of four devices: the inner chain averages over "inner", DiLoCo over "outer"."""
+  tx = diloco(_two_level_inner(), "outer", sync_every=2, delay=delay,
+              outer_optimizer=optax.sgd(0.7, momentum=0.9))
+  steps = 5
+  targets = _targets(steps)
+  params, state = _run_two_level(tx, targets, steps)
   # Worker m's gradient is the mean over its four devices' (devices 4m..4m+3).
   worker_targets = [[c.reshape(2, 4, *c.shape[1:]).mean(axis=1) for c in step_targets]
                     for step_targets in targets]
   local, global_ = reference.streaming_diloco(
       jax.tree.leaves(_params()), _reference_grad(worker_targets), workers=2, steps=steps,
       sync_every=2, fragment_of=(0, 0, 0, 0), inner=reference.SGD(0.1),
-      outer=reference.SGD(0.7, momentum=0.9))
+      outer=reference.SGD(0.7, momentum=0.9), delay=delay)
   for leaf, want in zip(jax.tree.leaves(state.global_params), global_[-1], strict=True):
     np.testing.assert_allclose(np.asarray(leaf), want, rtol=2e-5, atol=2e-5)
   for leaf, want in zip(jax.tree.leaves(params), zip(*local[-1], strict=True), strict=True):
     np.testing.assert_allclose(np.asarray(leaf), np.stack(want), rtol=2e-5, atol=2e-5)
+
+
+def test_split_exchange_is_the_whole_exchange_with_a_quarter_of_the_bytes():
+  """Each of a worker's four devices averages a quarter of the outer gradient across the
+  workers: the float32 average is bit for bit the whole one's, for a quarter of the bytes."""
+  # Fragment 1 (Block_1, 15 elements; offset 4) is the only one exchanged at the last step.
+  steps = 8
+  targets = _targets(steps)
+  options = dict(sync_every=4, outer_optimizer=optax.sgd(0.7, momentum=0.9), fragments=2)
+  whole = _run_two_level(diloco(_two_level_inner(), "outer", **options), targets, steps)
+  split = _run_two_level(diloco(_two_level_inner(), "outer", split_axis="inner", **options),
+                         targets, steps)
+  chex.assert_trees_all_equal(split[0], whole[0])
+  chex.assert_trees_all_equal(split[1].global_params, whole[1].global_params)
+  # Its 15 elements: 4 of them a device (ceil(15 / 4)), not 15.
+  assert float(whole[1].stats.outer_wire_bits) == wire_bits(15)
+  assert float(split[1].stats.outer_wire_bits) == wire_bits(4)
+  # All the bits add the gather of the four parts inside the worker: 3 of them, 4 elements each.
+  assert float(split[1].stats.wire_bits) == wire_bits(4) + 3 * 4 * 32
+
+
+def wire_bits(elements):
+  """Bits a device sends in a float32 all-reduce of ``elements`` between two workers."""
+  return 2 * (2 - 1) / 2 * 4 * elements * 8
+
+
+def test_split_exchange_keeps_each_devices_part_of_the_error_feedback():
+  steps = 6
+  targets = _targets(steps)
+  average = qsgd_jax.qsgd("outer", bits=8, error_feedback=True, min_compressed_size=1)
+  options = dict(sync_every=3, outer_optimizer=optax.sgd(1.0), average=average)
+  _, split = _run_two_level(diloco(_two_level_inner(), "outer", split_axis="inner", **options),
+                            targets, steps)
+  # Whole, every device of a worker holds the same state: laid along the workers alone.
+  _, whole = _run_two_level(diloco(_two_level_inner(), "outer", **options), targets, steps,
+                            state_axes="outer")
+  _, exact = _run_two_level(diloco(_two_level_inner(), "outer", sync_every=3,
+                                   outer_optimizer=optax.sgd(1.0)), targets, steps)
+  # 8 bits a coordinate with error feedback, split or whole: near the float32 average's.
+  for run in (split, whole):
+    for leaf, want in zip(jax.tree.leaves(run.global_params),
+                          jax.tree.leaves(exact.global_params), strict=True):
+      np.testing.assert_allclose(np.asarray(leaf), np.asarray(want), atol=0.01)
+  # The 42 elements go as 11 a device (ceil(42 / 4)) in one vector, not as four leaves.
+  assert split.stats.outer_wire_bits < whole.stats.outer_wire_bits
+  # The gather inside the worker: 3 parts of 11 float32 elements, on the fast links alone.
+  assert split.stats.wire_bits - split.stats.outer_wire_bits == 3 * 11 * 32
+  # Each device's error feedback is for its own part (11 elements, in a bucket's padding),
+  # a row a device along both axes: four different parts.
+  residuals = [np.asarray(leaf) for leaf in jax.tree.leaves(split.average_states)
+               if leaf.dtype == jnp.float32 and leaf.ndim > 1]
+  assert residuals and all(r.shape[0] == 8 and not r[:, 11:].any() for r in residuals)
+  rows = {row.tobytes() for r in residuals for row in r[:, :11] if row.any()}
+  assert len(rows) == 4
+
+
+def test_split_exchange_refuses_a_worker_whose_devices_differ():
+  mesh = jax.make_mesh((2, 4), ("outer", "inner"))
+  both = ("outer", "inner")
+  tx = diloco(optax.sgd(0.1), "outer", sync_every=1, split_axis="inner")
+  with jax.set_mesh(mesh):
+    specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
+  own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+
+  def step(params, state):  # No average over "inner": each device moves on its own.
+    params = own(params)
+    updates, state = tx.update(params, state, params)
+    return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), state
+
+  init = jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(both), out_specs=specs)
+  run = jax.shard_map(step, mesh=mesh, in_specs=(P(both), specs), out_specs=(P(both), specs))
+  params = jax.device_put(_stack(_params()), NamedSharding(mesh, P(both)))
+  with pytest.raises(ValueError, match="outer gradient differs across axis 'inner'"):
+    jax.jit(run)(params, jax.jit(init)(params))
+
+
+def test_split_axis_must_be_a_workers_devices():
+  with pytest.raises(ValueError, match="split_axis='outer' must name the axes of a worker"):
+    diloco(optax.sgd(0.1), "outer", sync_every=2, split_axis="outer")
+  with pytest.raises(ValueError, match="must name the axes of a worker"):
+    diloco(optax.sgd(0.1), None, sync_every=2, split_axis="inner")
+  with pytest.raises(ValueError, match="with delay=1 is not supported"):
+    diloco(optax.sgd(0.1), "outer", sync_every=2, delay=1, split_axis="inner")
+  # A compressed average's state is of this device's part, whose length needs the axis's size.
+  tx = diloco(optax.sgd(0.1), "outer", sync_every=2, split_axis="inner",
+              average=qsgd_jax.qsgd("outer", error_feedback=True))
+  with pytest.raises(NameError, match="jax.set_mesh"):
+    jax.eval_shape(tx.init, _params())
 
 
 def test_partition_specs_and_resize():

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, diloco_checks, diloco_fragments, stats, wire
+from qsgd_jax._src import axes, base, diloco_checks, diloco_exchange, diloco_fragments, stats, wire
 
 _OWNER = "qsgd_jax.diloco"
 
@@ -35,7 +35,8 @@ class DiLoCoState(NamedTuple):
     average_states: a tuple of ``P`` states of ``average`` (an
       ``optax.EmptyState`` each for the default float32 mean), fragment
       ``p``'s initialized on a tuple of its leaves in float32: its error
-      feedback and key live across rounds.
+      feedback and key live across rounds. With ``split_axis``, a
+      :class:`~qsgd_jax.SplitAverageState` each, of this device's part.
     outer_gradients: with ``delay > 0``, a tuple of ``P`` tuples of
       ``float32[1, *shape]``, one a leaf of the fragment: this device's outer
       gradient, from the fragment's sync step until its exchange; an empty
@@ -73,6 +74,7 @@ def diloco(
     fragments: diloco_fragments.Fragments = 1,
     delay: int = 0,
     alpha: float = 0.0,
+    split_axis: axes.AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo and Streaming DiLoCo: local inner steps, a compressed outer exchange.
 
@@ -203,6 +205,17 @@ def diloco(
       below ``sync_every // P``, as torchft requires, so that at most one
       fragment is in flight.
     alpha: the merge's weight of the local parameters, in :math:`[0, 1]`.
+    split_axis: on a two-level mesh, the fast axis (or axes) of a worker's
+      devices, over which ``inner`` averages every step so that they all
+      hold the same parameters; or ``None``. With it, each of the ``k``
+      devices exchanges only a ``1 / k`` part of each fragment's outer
+      gradient (flattened into one vector) across the workers, and the
+      worker's devices all-gather the averaged parts: ``k`` times fewer
+      bytes cross between workers, and ``average``'s state (its error
+      feedback) holds each device's part. ``init`` then runs where the axis
+      is bound, and under ``jax.shard_map`` the state's per-device parts lie
+      along both axes (:func:`~qsgd_jax.state_partition_specs` with
+      ``(axis_name, split_axis)``). Not with ``delay``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` assumes
@@ -256,6 +269,15 @@ def diloco(
     diloco_fragments.assign([0] * max(fragments, 1), fragments)  # Checks P >= 1 now.
     diloco_checks.check_schedule(sync_every, fragments, delay)
   parsed = axes.parse(axis_name, _OWNER)
+  split = None if split_axis is None else axes.parse(split_axis, _OWNER)
+  if split is not None and (parsed.is_local or set(split.names) & set(parsed.names)):
+    raise ValueError(
+        f"{_OWNER}: split_axis={split_axis!r} must name the axes of a worker's devices, apart "
+        f"from the workers' axis_name={axis_name!r} (and there must be workers).")
+  if split is not None and delay:
+    raise ValueError(
+        f"{_OWNER}: split_axis={split_axis!r} with delay={delay} is not supported: a split "
+        "exchange runs in the sync step. Pass delay=0, or drop split_axis.")
   inner = optax.with_extra_args_support(inner)
   if outer_optimizer is None:
     outer_optimizer = optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -276,8 +298,8 @@ def diloco(
         global_params=global_params,
         outer_states=tuple(outer_optimizer.init(tuple(leaves[i] for i in m)) for m in members),
         inner_state=jax.tree.map(lambda x: x[None], inner.init(params)),
-        average_states=tuple(optax.EmptyState() if average is None
-                             else average.init(tuple(zeros[i] for i in m)) for m in members),
+        average_states=tuple(diloco_exchange.init_average(average, [zeros[i] for i in m], split)
+                             for m in members),
         outer_gradients=(tuple(tuple(zeros[i][None] for i in m) for m in members)
                          if delay else ()),
         averaged_gradients=tuple(tuple(zeros[i] for i in m) for m in members) if delay else (),
@@ -338,7 +360,8 @@ def diloco(
     averaged_gradients = list(state.averaged_gradients)
     wire_bits = outer_wire_bits = jnp.float32(0)
     step = state.count + 1
-    exchange = functools.partial(_exchange, average=average, parsed=parsed, size=size)
+    exchange = functools.partial(diloco_exchange.exchange, average=average, parsed=parsed,
+                                 size=size, split=split)
 
     for p, (member, offset) in enumerate(zip(members, offsets, strict=True)):
       phase = (step - offset) % sync_every
@@ -407,29 +430,6 @@ def diloco(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _exchange(delta, average_state, *, average, parsed: axes.Axes, size: int):
-  """The averaged outer gradient, the average's new state and the bits sent (all, outer)."""
-  if average is None:
-    if parsed.is_local:
-      return delta, average_state, (jnp.float32(0), jnp.float32(0))
-    averaged = tuple(jax.lax.pmean(d, parsed.name) for d in delta)
-    bits = jnp.float32(wire.float32_allreduce_bits(sum(d.size for d in delta), size))
-    new_state = average_state
-  else:
-    averaged, new_state = average.update(delta, average_state, None)
-    averaged = tuple(averaged)
-  diloco_checks.check_averaged(averaged, parsed)
-  sent = None if average is None else stats.compression_stats(new_state)
-  if sent is not None:
-    bits = sent.wire_bits
-  elif average is not None:  # An average of the user's own, which keeps no stats.
-    bits = jnp.float32(jnp.nan)
-  outer_bits = bits if sent is None else sent.outer_wire_bits
-  # A round skipped for a non-finite average keeps the average's state (its error feedback).
-  new_state = _select(base.all_finite(averaged), new_state, average_state)
-  return averaged, new_state, (bits, outer_bits)
-
-
 def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optimizer,
                 alpha: float, parsed: axes.Axes):
   """One fragment's outer step and merge: its updates, new global leaves and outer state.
@@ -442,8 +442,8 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
   outer_updates, new_outer_state = outer_optimizer.update(grads, outer_state, global_leaves)
   new_global = optax.apply_updates(global_leaves, outer_updates)
   finite = base.all_finite(averaged)
-  new_global = _select(finite, new_global, global_leaves)
-  new_outer_state = _select(finite, new_outer_state, outer_state)
+  new_global = diloco_exchange.select(finite, new_global, global_leaves)
+  new_outer_state = diloco_exchange.select(finite, new_outer_state, outer_state)
   updates = []
   for g, x, theta in zip(new_global, local, params, strict=True):
     # torchft's merge: p.lerp_(local, alpha), the global value plus alpha of the way to local.
@@ -455,15 +455,3 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
 def _cond(predicate, true_fn, false_fn):
   """``jax.lax.cond`` on a step-count predicate, the same on every device."""
   return jax.lax.cond(predicate, true_fn, false_fn)
-
-
-def _select(condition, new, old):
-  """``new`` where ``condition``, else ``old``, leaf by leaf (PRNG keys by their data)."""
-
-  def select(n, o):
-    if jnp.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
-      data = jnp.where(condition, jax.random.key_data(n), jax.random.key_data(o))
-      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
-    return jnp.where(condition, n, o)
-
-  return jax.tree.map(select, new, old)

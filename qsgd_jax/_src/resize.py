@@ -12,6 +12,7 @@ import numpy as np
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco import DiLoCoState
+from qsgd_jax._src.diloco_exchange import SplitAverageState
 from qsgd_jax._src.fsdp_onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
@@ -448,6 +449,16 @@ def _owner_residuals(saved, target):
   return pieces(batch_dims=1)(saved, target)
 
 
+def _split_average_state(saved, target):
+  """A split exchange's per-device average states: not matched across device counts."""
+  del saved, target
+  raise ValueError(
+      "a split DiLoCo exchange's average states (qsgd_jax.SplitAverageState) hold each "
+      "device's part of the outer gradient, cut for the worker's device count and in the "
+      "devices' order: they are not matched across device counts. Build the new state with "
+      "init and carry over the global parameters, or resize without split_axis")
+
+
 def _sign_exchange_errors(saved, target):
   """The 1-bit exchange's errors: not matched across device counts (drop them instead)."""
   del saved, target
@@ -462,6 +473,7 @@ register(CompressedAllReduceState, "chunk_error", _owner_residuals, residual=Tru
 register(AccumulationState, "accumulated", mean)
 register(DiLoCoState, "inner_state", first_device)
 register(DiLoCoState, "outer_gradients", mean)
+register(SplitAverageState, "state", _split_average_state)
 register(LowPrecisionDecentralizedState, "inner_state", first_device)
 # Worker 0's model, as its right neighbour (worker 1) and its left one (the last) hold it.
 register(LowPrecisionDecentralizedState, "left_replica", row(1))

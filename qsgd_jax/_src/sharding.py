@@ -10,6 +10,7 @@ from qsgd_jax._src import axes, stats
 from qsgd_jax._src.accumulation import AccumulationState
 from qsgd_jax._src.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco import DiLoCoState
+from qsgd_jax._src.diloco_exchange import SplitAverageState
 from qsgd_jax._src.fsdp_onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState
 from qsgd_jax._src.powersgd import PowerSGDState
@@ -22,6 +23,7 @@ _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
     DiLoCoState: ("count", "stats", "global_params"),
+    SplitAverageState: ("state",),
     FSDPOneBitErrorState: ("warm_up_left",),
     LowPrecisionDecentralizedState: ("key", "stats"),
     ScaleByOneBitAdamState: ("count", "worker_error", "server_error", "freeze_count", "stats"),
@@ -60,14 +62,17 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     every device: they come from all-reduces) and the stats are replicated.
   * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`) the
     workers' own arrays lie along ``axis_name``: the inner optimizer's state
-    (every leaf, stored with a leading axis of one) and the outer gradients
-    before their exchange (``outer_gradients``); the averages' states are
-    laid out by these same rules (a compressed average's residuals along the
-    axis). The count, the stats, the global parameters, the outer
+    (every leaf, stored with a leading axis of one); the outer gradients
+    before their exchange (``outer_gradients``) along the outer axis (the
+    first of ``axis_name``), as a worker's devices hold the same parameters;
+    the averages' states are laid out by these same rules (a compressed
+    average's residuals along the axis). The count, the stats, the global parameters, the outer
     optimizers' states and the averaged outer gradients are the same on
     every device and replicated. On a two-level mesh pass every axis the
     parameters or the inner chain's state differ over, e.g.
-    ``("outer", "inner")``.
+    ``("outer", "inner")``; with ``split_axis`` a
+    :class:`~qsgd_jax.SplitAverageState` (each device's own part) lies along
+    every axis of ``axis_name``: pass the workers' and the split axes.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -140,8 +145,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
       FSDPOneBitErrorState: dict(worker_error=all_leaves(along_axis)),
       DiLoCoState: dict(
-          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_axis),
+          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_outer),
           average_states=lambda tree: specs(tree)),
+      SplitAverageState: dict(state=all_leaves(along_axis)),
       PowerSGDState: dict(
           key=all_leaves(replicated), count=all_leaves(replicated),
           error=all_leaves(along_axis), q_memory=all_leaves(replicated),

@@ -515,7 +515,12 @@ def _updates_finite(reduction_plan: plan.ReductionPlan, updates,
   leaves = jax.tree.leaves(updates)
   float32_leaves = [leaves[i] for i in reduction_plan.full_precision]
   seen_finite = encoded_finite & base.all_finite(float32_leaves)
-  return jax.lax.cond(seen_finite, lambda: seen_finite, lambda: base.all_finite(updates))
+  # Both answers typed varying over every axis either one is (under jax.shard_map).
+  names = tuple(sorted(set(axes.varying_axes(seen_finite)).union(
+      *(axes.varying_axes(leaf) for leaf in leaves))))
+  typed = (lambda x: axes.as_varying(x, names)) if names else (lambda x: x)
+  return jax.lax.cond(seen_finite, lambda: typed(seen_finite),
+                      lambda: typed(base.all_finite(updates)))
 
 
 # Plans already warned about, so that each tree is warned about once.

@@ -1,0 +1,142 @@
+"""DiLoCo's outer exchange: a fragment's outer gradient averaged over the workers, whole or
+split over a worker's devices."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from qsgd_jax._src import axes, base, diloco_checks, stats, wire
+
+_OWNER = "qsgd_jax.diloco"
+
+
+class SplitAverageState(NamedTuple):
+  """The state of a fragment's average where the exchange is split over a worker's devices.
+
+  Attributes:
+    state: the average's state for this device's part of the outer gradient
+      (its error feedback, key and count), every leaf with a leading axis of
+      length 1 (``[1, *shape]``), as :class:`~qsgd_jax.DiLoCoState`'s inner
+      state is: each device's differs, and under ``jax.shard_map`` all of it
+      lies along the workers' and the split axes.
+  """
+
+  state: optax.OptState
+
+
+def init_average(average, zeros, split: axes.Axes | None):
+  """``average``'s state for a fragment of float32 leaves ``zeros``: of the whole fragment,
+  or with ``split``, of this device's part (a :class:`SplitAverageState`)."""
+  if average is None:
+    return optax.EmptyState()
+  if split is None:
+    return average.init(tuple(zeros))
+  part = jnp.zeros(split_length([z.size for z in zeros], split), jnp.float32)
+  return SplitAverageState(jax.tree.map(lambda x: x[None], average.init((part,))))
+
+
+def split_length(sizes, split: axes.Axes | None) -> int | None:
+  """Elements of a fragment (leaves of ``sizes`` elements) each device of a worker exchanges:
+  ``ceil(sum(sizes) / k)`` over the ``k`` devices of ``split``; ``None`` without a split."""
+  if split is None:
+    return None
+  return -(-sum(sizes) // split_count(split))
+
+
+def split_count(split: axes.Axes) -> int:
+  """The number of devices of ``split``: its bound axes' sizes, or outside a mapped function
+  (``init`` under ``jax.eval_shape``), those of the mesh ``jax.set_mesh`` set."""
+  try:
+    return math.prod(split.sizes(_OWNER))
+  except NameError as error:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(split.names) <= set(mesh.axis_names):
+      raise NameError(
+          f"{_OWNER}: split_axis={split.name!r} is not bound, and no mesh set with "
+          "jax.set_mesh has it: init inside jax.shard_map or jax.pmap over it, or under "
+          "jax.set_mesh(mesh) (e.g. to take the state's shapes with jax.eval_shape).") from error
+    return math.prod(mesh.shape[name] for name in split.names)
+
+
+def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
+             split: axes.Axes | None):
+  """The averaged outer gradient, the average's new state and the bits sent (all, outer).
+
+  Args:
+    delta: this device's outer gradient of one fragment, a tuple of float32
+      leaves.
+    average_state: the fragment's state of ``average``.
+    average: the averaging transform over ``parsed``, or ``None`` for a
+      float32 ``jax.lax.pmean``.
+    parsed: the workers' axes.
+    size: the number of workers.
+    split: the axes of a worker's devices over which the exchange is split,
+      or ``None``. With ``k`` devices, each flattens the fragment into one
+      vector of ``n`` elements, zero-padded to ``k * ceil(n / k)``, averages
+      its own ``ceil(n / k)`` of them (the ``i``-th part on the device of
+      index ``i`` along ``split``) over the workers, and the worker's devices
+      all-gather the parts back into the whole.
+
+  A non-finite average (the same on every device) keeps the average's state,
+  its error feedback, on every device, so that a skipped round loses nothing.
+  """
+  if split is None:
+    averaged, new_state, bits = _average(delta, average_state, average, parsed, size)
+  else:
+    diloco_checks.check_same_in_worker(delta, split)
+    flat = jnp.concatenate([d.ravel() for d in delta])
+    length = split_length([d.size for d in delta], split)
+    count = split_count(split)
+    flat = jnp.pad(flat, (0, count * length - flat.size))
+    part = jax.lax.dynamic_slice_in_dim(flat, jax.lax.axis_index(split.name) * length, length)
+    own_state = average_state if average is None else jax.tree.map(lambda x: x[0],
+                                                                   average_state.state)
+    (mine,), new_state, (total, outer) = _average((part,), own_state, average, parsed, size)
+    if average is not None:
+      new_state = SplitAverageState(jax.tree.map(lambda x: x[None], new_state))
+    whole = axes.all_gather_replicated(mine, split.name).reshape(-1)
+    starts = np.cumsum([0] + [d.size for d in delta[:-1]])
+    averaged = tuple(whole[start:start + d.size].reshape(d.shape)
+                     for start, d in zip(starts, delta, strict=True))
+    # The gather runs over the fast links inside the worker: counted in all the bits only.
+    gathered = 8 * wire.bytes_sent("all-gather", 4 * count * length, count)
+    bits = (total + gathered, outer)
+  new_state = select(base.all_finite(averaged), new_state, average_state)
+  return averaged, new_state, bits
+
+
+def _average(delta, average_state, average, parsed: axes.Axes, size: int):
+  """``delta`` averaged over ``parsed``, the average's new state and the bits (all, outer)."""
+  if average is None:
+    if parsed.is_local:
+      return delta, average_state, (jnp.float32(0), jnp.float32(0))
+    averaged = tuple(jax.lax.pmean(d, parsed.name) for d in delta)
+    bits = jnp.float32(wire.float32_allreduce_bits(sum(d.size for d in delta), size))
+    new_state = average_state
+  else:
+    averaged, new_state = average.update(delta, average_state, None)
+    averaged = tuple(averaged)
+  diloco_checks.check_averaged(averaged, parsed)
+  sent = None if average is None else stats.compression_stats(new_state)
+  if sent is not None:
+    bits = sent.wire_bits
+  elif average is not None:  # An average of the user's own, which keeps no stats.
+    bits = jnp.float32(jnp.nan)
+  outer_bits = bits if sent is None else sent.outer_wire_bits
+  return averaged, new_state, (bits, outer_bits)
+
+
+def select(condition, new, old):
+  """``new`` where ``condition``, else ``old``, leaf by leaf (PRNG keys by their data)."""
+
+  def choose(n, o):
+    if jnp.issubdtype(jnp.result_type(n), jax.dtypes.prng_key):
+      data = jnp.where(condition, jax.random.key_data(n), jax.random.key_data(o))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(n))
+    return jnp.where(condition, n, o)
+
+  return jax.tree.map(choose, new, old)
