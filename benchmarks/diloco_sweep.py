@@ -31,10 +31,10 @@ Bytes are what one device sends a step, on average over the run. For DiLoCo,
 what crosses between workers: every device of a worker exchanges the whole
 outer gradient with its counterparts in the other workers
 (``qsgd_jax.compression_stats`` of its state, zero on a step without a sync:
-the summary's ``mean_wire_bytes_per_step``), as its worker's other devices do
-(splitting the exchange over them would send that many times fewer); the
-float32 average inside a worker, every step over the fast links, is reported
-apart (``mean_inner_wire_bytes_per_step``). For data parallel, every device's part
+the summary's ``mean_wire_bytes_per_step``), as its worker's other devices do,
+or with ``outer_split=True`` its part of it; the float32 average inside a
+worker, every step over the fast links, is reported apart with a split
+exchange's gather (``mean_inner_wire_bytes_per_step``). For data parallel, every device's part
 of the all-reduce over all 8 devices every step. Both count the same kind of
 link: in a deployment where the workers are nodes joined by a slow network,
 each device's bytes in either case cross it.
@@ -87,6 +87,7 @@ RUNS = (
     *(("sync every", f"{DILOCO}+sync_every={every}") for every in (1, 5, 10, 50, 100)),
     *(("outer average", f"{DILOCO}+outer_average={average}") for average in ("fp32", "bf16",
                                                                               "onebit")),
+    ("outer average", DILOCO + "+outer_split=True"),  # Each of a worker's devices a quarter.
     *(("streaming", f"{DILOCO}+fragments=2+fragment_delay={delay}") for delay in (1, 2, 3, 5)),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=5+fragment_alpha=0.5"),
     ("streaming", DILOCO + "+fragments=3+fragment_delay=2"),
@@ -96,7 +97,8 @@ RUNS = (
 )
 DATA_PARALLEL = ("fp32", "bf16")
 SETTINGS = ("average", "diloco_workers", "sync_every", "outer_average", "outer_learning_rate",
-            "outer_momentum", "outer_nesterov", "fragments", "fragment_delay", "fragment_alpha",
+            "outer_momentum", "outer_nesterov", "outer_split", "fragments", "fragment_delay",
+            "fragment_alpha",
             "learning_rate", "num_train_steps", "warmup_steps", "seed")
 # Config fields that name the mode rather than the model and data: ignored when checking that
 # lm_comparison.json's bf16 run trained the same config.
@@ -160,19 +162,27 @@ def bf16_from_comparison(path: pathlib.Path) -> dict | None:
 
 def stored_runs(path: pathlib.Path) -> dict[str, dict]:
   """The runs of an earlier sweep's ``PREFIX.json`` by mode: none if it is not there or
-  trained another config than ``small.py``'s now (every run then trains again)."""
+  trained another config than ``small.py``'s now (a field they share differs: every run then
+  trains again)."""
   if not path.exists():
     return {}
   stored = json.loads(path.read_text())
   ours = small.get_config().to_dict()
   theirs = stored["config"]
-  changed = sorted(k for k in theirs.keys() | ours.keys() - MODE_FIELDS
-                   if k not in MODE_FIELDS and ours.get(k) != theirs.get(k))
+  # A field added to the config since the runs is not compared: they trained before it was.
+  changed = sorted(k for k in theirs.keys() & ours.keys() - MODE_FIELDS if ours[k] != theirs[k])
   if changed:
     print(f"{path} trained another config ({', '.join(changed)} differ): every run trains "
           "again.", file=sys.stderr)
     return {}
   return {run["mode"]: run for run in stored["runs"]}
+
+
+def same_settings(stored: dict, settings: dict) -> bool:
+  """Whether a stored run's settings are ``settings``: a setting it lacks (added to
+  :data:`SETTINGS` since) counts as the config's default, which it trained with."""
+  defaults = small.get_config()
+  return all(stored.get(k, defaults.get(k)) == v for k, v in settings.items())
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -221,6 +231,7 @@ def table(runs: list[dict]) -> str:
     settings = run["settings"]
     diloco = settings["optimizer"] == "diloco"
     fragments = settings["fragments"]
+    average = settings["outer_average"] + (", split" if settings["outer_split"] else "")
     streaming = (f", {fragments} fragment{'s' if fragments > 1 else ''}, delay "
                  f"{settings['fragment_delay']}"
                  + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
@@ -231,7 +242,7 @@ def table(runs: list[dict]) -> str:
         f"| {run['group']} | `{run['mode']}` "
         f"| {settings['diloco_workers'] if diloco else '-'} "
         f"| {str(settings['sync_every']) + streaming if diloco else '-'} "
-        f"| {settings['outer_average'] if diloco else '-'} | {_outer(run)} "
+        f"| {average if diloco else '-'} | {_outer(run)} "
         f"| {settings['learning_rate']:g} | {run['steps']} | {run['eval_loss']:.4f} "
         f"| {_signed(run['eval_loss_minus_fp32'])} | {_signed(run['eval_loss_minus_bf16'])} "
         f"| {run['bytes_per_step']:,.0f} | {ratios} |")
@@ -269,7 +280,7 @@ def main(argv=None) -> int:
     config = configured(mode)
     settings = {"optimizer": config.optimizer} | {k: config[k] for k in SETTINGS}
     run = stored.get(mode)
-    if run is None or run["settings"] != settings:
+    if run is None or not same_settings(run["settings"], settings):
       run = summary_of(mode, workdir, args.reuse_runs)
     runs.append({"group": group, "mode": mode, "settings": settings} | {
         k: v for k, v in run.items() if k not in ("group", "mode", "settings")})

@@ -215,7 +215,8 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
           f"delay {settings['fragment_delay']}"
           + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
           + ")" if settings["fragments"] > 1 or settings["fragment_delay"] else "")
-      cells = [str(settings["diloco_workers"]), every, settings["outer_average"], outer]
+      average = settings["outer_average"] + (", split" if settings.get("outer_split") else "")
+      cells = [str(settings["diloco_workers"]), every, average, outer]
       name = "DiLoCo" + (f", inner lr {settings['learning_rate']:g}"
                          if settings["learning_rate"] != sweep["config"]["learning_rate"] else "")
     else:

@@ -561,7 +561,7 @@ def test_split_exchange_refuses_a_worker_whose_devices_differ():
   init = jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(both), out_specs=specs)
   run = jax.shard_map(step, mesh=mesh, in_specs=(P(both), specs), out_specs=(P(both), specs))
   params = jax.device_put(_stack(_params()), NamedSharding(mesh, P(both)))
-  with pytest.raises(ValueError, match="outer gradient differs across axis 'inner'"):
+  with pytest.raises(ValueError, match="differs across axis 'inner': every device of a worker"):
     jax.jit(run)(params, jax.jit(init)(params))
 
 

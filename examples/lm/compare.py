@@ -5,9 +5,9 @@
 
 A mode names a value of ``config.average`` or of ``config.optimizer``, or one
 of each joined by ``+`` (``adamw+qsgd4``); a part ``field=value`` sets any
-other config field (``fp32+fsdp_weights=fp32``). The runs go one after the
-other, each into ``DIR/<mode>/`` (``metrics.jsonl``, ``summary.json``); the
-comparison into ``DIR/comparison.json``, ``DIR/comparison.md`` (a table: the
+other config field (``fp32+fsdp_weights=fp32``, ``diloco+fp32+outer_split=True``).
+The runs go one after the other, each into ``DIR/<mode>/`` (``metrics.jsonl``,
+``summary.json``); the comparison into ``DIR/comparison.json``, ``DIR/comparison.md`` (a table: the
 held-out loss and its difference from the ``fp32`` and ``bf16`` runs, bytes
 sent, tokens a second) and ``DIR/comparison.png`` (held-out loss against steps
 and against bytes sent). The ``fp32`` (``bf16``) run is the first whose mode
@@ -55,9 +55,15 @@ def apply_mode(config, mode: str, optimizers, averages) -> None:
   for choice in mode.split("+"):
     field, is_setting, value = choice.partition("=")
     if is_setting:
-      if field not in config or type(config[field]) not in (str, int, float):
-        raise ValueError(f"Mode {mode!r}: {field!r} is not a str, int or float config field.")
-      config[field] = type(config[field])(value)
+      if field not in config or type(config[field]) not in (str, int, float, bool):
+        raise ValueError(f"Mode {mode!r}: {field!r} is not a str, int, float or bool config "
+                         "field.")
+      if type(config[field]) is bool:
+        if value not in ("True", "False"):
+          raise ValueError(f"Mode {mode!r}: {field!r} is a bool: True or False, got {value!r}.")
+        config[field] = value == "True"
+      else:
+        config[field] = type(config[field])(value)
     elif choice in optimizers:
       config.optimizer = choice
     elif choice in averages:

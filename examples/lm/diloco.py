@@ -55,16 +55,17 @@ def outer_average(config: ml_collections.ConfigDict) -> optax.GradientTransforma
                    f"{config.outer_average!r}.")
 
 
-def optimizer(config: ml_collections.ConfigDict,
-              inner: optax.GradientTransformation) -> optax.GradientTransformation:
-  """``qsgd_jax.diloco`` over the workers, ``inner`` (a worker's data-parallel AdamW) inside."""
+def optimizer(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
+              axis: str) -> optax.GradientTransformation:
+  """``qsgd_jax.diloco`` over the workers, ``inner`` (a worker's data-parallel AdamW over
+  ``axis``) inside; with ``config.outer_split`` the exchange split over ``axis``."""
   momentum = config.outer_momentum or None
   outer = optax.sgd(config.outer_learning_rate, momentum=momentum,
                     nesterov=bool(momentum and config.outer_nesterov))
   return qsgd_jax.diloco(
       inner, WORKERS, sync_every=config.sync_every, outer_optimizer=outer,
       average=outer_average(config), fragments=config.fragments, delay=config.fragment_delay,
-      alpha=config.fragment_alpha)
+      alpha=config.fragment_alpha, split_axis=axis if config.outer_split else None)
 
 
 def mesh(config: ml_collections.ConfigDict, axis: str) -> jax.sharding.Mesh:
@@ -133,9 +134,12 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
       shard(create, in_specs=(P(WORKERS),), out_specs=P(), check_vma=False), stacked)
   # Inside a worker the inner chain's state is the same on every device (its averages keep
   # no per-device residuals: train.py refuses those with diloco), so every per-worker part of
-  # the state lies along the workers' axis only.
-  specs = shapes.replace(step=P(), params=jax.tree.map(lambda _: P(WORKERS), shapes.params),
-                         opt_state=qsgd_jax.state_partition_specs(shapes.opt_state, WORKERS))
+  # the state lies along the workers' axis only; a split exchange's average state is each
+  # device's own, and lies along both.
+  specs = shapes.replace(
+      step=P(), params=jax.tree.map(lambda _: P(WORKERS), shapes.params),
+      opt_state=qsgd_jax.state_partition_specs(
+          shapes.opt_state, WORKERS, split_axis=axis if config.outer_split else None))
   split = NamedSharding(device_mesh, P(axes))
   sharded_create = jax.jit(shard(create, in_specs=(P(WORKERS),), out_specs=specs))
 

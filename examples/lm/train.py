@@ -205,7 +205,7 @@ def diloco(config: ml_collections.ConfigDict,
         f"config.average must be one of {', '.join(DILOCO_INNER_AVERAGES)} with "
         f"config.optimizer diloco (the average inside a worker keeps no per-device state), "
         f"got {config.average!r}.")
-  return diloco_lib.optimizer(config, averaged_adamw(config, learning_rate_fn))
+  return diloco_lib.optimizer(config, averaged_adamw(config, learning_rate_fn), AXIS)
 
 
 def _freeze_step(config: ml_collections.ConfigDict) -> int | str:
@@ -244,9 +244,12 @@ def loss_fn(params, batch, apply_fn) -> jax.Array:
 
 def diloco_metrics(opt_state: qsgd_jax.DiLoCoState) -> dict[str, jax.Array]:
   """What a DiLoCo step sent across workers (zero but at a fragment's exchange) and, inside
-  a worker, what its gradient average sent."""
+  a worker, what its gradient average sent (and a split exchange's gather of the parts)."""
+  stats = qsgd_jax.compression_stats(opt_state)
   inner = qsgd_jax.compression_stats(opt_state.inner_state)
-  return wire_metrics(opt_state) | {"inner_wire_bytes": inner.wire_bits[0] / 8}
+  gathered = stats.wire_bits - stats.outer_wire_bits
+  return wire_metrics(opt_state) | {"wire_bytes": stats.outer_wire_bits / 8,
+                                    "inner_wire_bytes": (inner.wire_bits[0] + gathered) / 8}
 
 
 def wire_metrics(opt_state) -> dict[str, jax.Array]:

@@ -332,6 +332,27 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   assert summary["mean_inner_wire_bytes_per_step"] > 0  # The float32 average inside a worker.
 
 
+def test_a_split_diloco_exchange_sends_a_quarter_across_workers(tmp_path):
+  """``--config.outer_split``: each of a worker's 4 devices exchanges a quarter of the outer
+  gradient; with a float32 outer average the run is the unsplit one's, bit for bit."""
+  runs = {}
+  for split in (False, True):
+    config = _config("fp32", "shard_map", "diloco")
+    config.diloco_workers, config.sync_every, config.outer_average = 2, 3, "fp32"
+    config.checkpoint_every_steps, config.outer_split = 0, split
+    summary = train.train_and_evaluate(config, str(tmp_path / str(split)))
+    records = [json.loads(line) for line in (tmp_path / str(split) / "metrics.jsonl").open()]
+    runs[split] = summary, [r["wire_bytes"] for r in records if "loss" in r]
+  (whole, whole_sent), (split, split_sent) = runs[False], runs[True]
+  assert split["eval_loss"] == whole["eval_loss"]
+  assert split["final_train_loss"] == whole["final_train_loss"]
+  # A quarter of the parameters (rounded up), in float32 between the two workers; the gather
+  # of the other three quarters inside the worker counts with the worker's own average.
+  assert split_sent[2] == 4 * math.ceil(whole["num_params"] / 4) and whole_sent[2] == 4 * (
+      whole["num_params"])
+  assert split["mean_inner_wire_bytes_per_step"] > whole["mean_inner_wire_bytes_per_step"]
+
+
 def test_the_comparison_reads_a_switched_step_as_its_lightest_and_heaviest_branch():
   from examples.lm import compare  # noqa: PLC0415  (its flags only where it is used)
 

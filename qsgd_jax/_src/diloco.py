@@ -324,6 +324,8 @@ def diloco(
           _OWNER, axis_name, "Wrap the inner optimizer instead: diloco skips a device's non-finite "
           "inner step by itself, and a non-finite outer gradient on every device together.")
       diloco_checks.check_laid_out(params, parsed)
+      if split is not None:
+        diloco_checks.check_same_in_worker(params, split)
 
     inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
     inner_updates, new_inner_state = inner.update(updates, inner_state, params, **extra_args)
@@ -370,9 +372,13 @@ def diloco(
         return (phase == k) & (step >= offset + k)
 
       def outer_step(averaged, member=member, p=p):
-        return _outer_step(
+        updates, new_global, new_outer_state = _outer_step(
             averaged, [global_leaves[i] for i in member], [local(i) for i in member],
             [leaves[i] for i in member], outer_states[p], outer_optimizer, alpha, parsed)
+        # Typed as the inner steps are (a split exchange's average is invariant over the
+        # worker's devices; the steps may be typed varying there though alike).
+        return (axes.varying_like(updates, [out[i] for i in member]), new_global,
+                new_outer_state)
 
       def merged(result, member=member, p=p):
         merged_updates, new_global, outer_states[p] = result

@@ -67,15 +67,20 @@ def check_averaged(averaged, parsed: axes.Axes) -> None:
           f"same axis, e.g. qsgd_jax.qsgd({parsed.name!r}, bits=4, error_feedback=True).")
 
 
-def check_same_in_worker(delta, split: axes.Axes) -> None:
-  """Raises where, under ``jax.shard_map``, the outer gradient differs across ``split``."""
+def check_same_in_worker(params, split: axes.Axes) -> None:
+  """Raises where, under ``jax.shard_map``, the params are laid out per device over ``split``.
+
+  The check reads the params' layout: the inner optimizer's steps may be
+  typed varying over ``split`` though alike on every device of a worker.
+  """
   names = axes.tracked(split.names)
-  for leaf in delta:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     varying = [name for name in names if name in axes.varying_axes(leaf)]
     if varying:
       raise ValueError(
-          f"{_OWNER}: split_axis={split.name!r}, but the outer gradient differs across axis "
-          f"{varying[0]!r}: every device of a worker must hold the same parameters. Average "
+          f"{_OWNER}: split_axis={split.name!r}, but params leaf "
+          f"{jax.tree_util.keystr(path)} differs across axis {varying[0]!r}: every device of a "
+          "worker must hold the same parameters. Average "
           "the gradients over that axis in the inner optimizer (e.g. optax.chain("
           f"qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), {varying[0]!r}), optax.adamw("
           "...))) and lay the parameters out replicated over it, or drop split_axis.")

@@ -34,7 +34,8 @@ _ALWAYS_PRESENT = {
 }
 
 
-def state_partition_specs(opt_state, axis_name: axes.AxisName):
+def state_partition_specs(opt_state, axis_name: axes.AxisName,
+                          split_axis: axes.AxisName | None = None):
   """``PartitionSpec`` tree of an optax state for ``jax.shard_map``.
 
   * In a :class:`~qsgd_jax.CompressedAllReduceState` the residuals differ per
@@ -70,9 +71,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     optimizers' states and the averaged outer gradients are the same on
     every device and replicated. On a two-level mesh pass every axis the
     parameters or the inner chain's state differ over, e.g.
-    ``("outer", "inner")``; with ``split_axis`` a
-    :class:`~qsgd_jax.SplitAverageState` (each device's own part) lies along
-    every axis of ``axis_name``: pass the workers' and the split axes.
+    ``("outer", "inner")``. A :class:`~qsgd_jax.SplitAverageState` (of
+    ``diloco(..., split_axis=...)``: each device's own part) lies along
+    ``axis_name`` and ``split_axis``.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -102,6 +103,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
   Args:
     opt_state: an optax state, or its ``jax.eval_shape``.
     axis_name: the mesh axis (or axes) the devices are mapped over.
+    split_axis: the ``split_axis`` of a :func:`~qsgd_jax.diloco` in the
+      state, if any: its :class:`~qsgd_jax.SplitAverageState` lies along it
+      too (after ``axis_name``).
 
   Returns:
     A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
@@ -117,6 +121,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
     ((P('batch',),), P())
   """
   replicated, along_axis = PartitionSpec(), PartitionSpec(axis_name)
+  split_names = () if split_axis is None else axes.parse(split_axis, "state_partition_specs").names
+  along_split = PartitionSpec(tuple(dict.fromkeys(
+      (*axes.parse(axis_name, "state_partition_specs").names, *split_names))))
   # 0/1 Adam's local steps run on each node's average over the inner axes: its per-device
   # momenta and accumulators differ between nodes only.
   along_outer = PartitionSpec(axes.parse(axis_name, "state_partition_specs").outer)
@@ -147,7 +154,7 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName):
       DiLoCoState: dict(
           inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_outer),
           average_states=lambda tree: specs(tree)),
-      SplitAverageState: dict(state=all_leaves(along_axis)),
+      SplitAverageState: dict(state=all_leaves(along_split)),
       PowerSGDState: dict(
           key=all_leaves(replicated), count=all_leaves(replicated),
           error=all_leaves(along_axis), q_memory=all_leaves(replicated),

@@ -62,6 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.fragments = 1  # Streaming DiLoCo: fragments syncing in turn, sync_every // P apart.
   config.fragment_delay = 0  # Steps an exchange overlaps before its merge (below the interval).
   config.fragment_alpha = 0.0  # The merge's weight of the worker's own parameters.
+  # Each of a worker's devices exchanges 1 / (devices a worker) of the outer gradient across
+  # workers, then the worker gathers the parts (qsgd_jax.diloco's split_axis; not with a delay).
+  config.outer_split = False
   # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
   # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).
   config.fsdp_weights = "int8"
