@@ -23,6 +23,19 @@ class SplitAverageState(NamedTuple):
       length 1 (``[1, *shape]``), as :class:`~qsgd_jax.DiLoCoState`'s inner
       state is: each device's differs, and under ``jax.shard_map`` all of it
       lies along the workers' and the split axes.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> tx = qsgd_jax.diloco(
+    ...     optax.sgd(0.1), "outer", sync_every=4, split_axis="inner",
+    ...     average=qsgd_jax.qsgd("outer", bits=4, error_feedback=True))
+    >>> with jax.set_mesh(jax.make_mesh((1, 1), ("outer", "inner"))):
+    ...   state = jax.eval_shape(tx.init, {"w": jnp.zeros(1000)})
+    >>> type(state.average_states[0]).__name__
+    'SplitAverageState'
+    >>> specs = qsgd_jax.state_partition_specs(state, "outer", split_axis="inner")
+    >>> specs.average_states[0].state.count  # Each device's own, along both axes.
+    P(('outer', 'inner'),)
   """
 
   state: optax.OptState
