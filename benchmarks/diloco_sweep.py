@@ -313,8 +313,9 @@ def main(argv=None) -> int:
       "end, against float32 and bfloat16 data parallel (DP) trained as long"
       + (" (bf16 DP: `lm_comparison.json`'s run of 300 steps)" if bf16 is not None else "")
       + ". Bytes/step: what one device sends on average over the run; for DiLoCo, across "
-      "workers (each device of a worker exchanges the whole outer gradient at a sync, nothing "
-      "between syncs), for DP, its part of the all-reduce over all devices every step.\n\n")
+      "workers (each device of a worker exchanges the whole outer gradient at a sync, or with "
+      "a split exchange its part of it, nothing between syncs), for DP, its part of the "
+      "all-reduce over all devices every step.\n\n")
   prefix = args.results
   prefix.parent.mkdir(parents=True, exist_ok=True)
   prefix.with_suffix(".md").write_text(header + table(runs))

@@ -207,15 +207,19 @@ def diloco(
     alpha: the merge's weight of the local parameters, in :math:`[0, 1]`.
     split_axis: on a two-level mesh, the fast axis (or axes) of a worker's
       devices, over which ``inner`` averages every step so that they all
-      hold the same parameters; or ``None``. With it, each of the ``k``
-      devices exchanges only a ``1 / k`` part of each fragment's outer
-      gradient (flattened into one vector) across the workers, and the
-      worker's devices all-gather the averaged parts: ``k`` times fewer
-      bytes cross between workers, and ``average``'s state (its error
-      feedback) holds each device's part. ``init`` then runs where the axis
-      is bound, and under ``jax.shard_map`` the state's per-device parts lie
-      along both axes (:func:`~qsgd_jax.state_partition_specs` with
-      ``(axis_name, split_axis)``). Not with ``delay``.
+      hold the same parameters (under ``jax.shard_map``, params laid out
+      replicated over it); or ``None``. With it, each of the ``k`` devices
+      exchanges only a ``1 / k`` part of each fragment's outer gradient,
+      flattened into one vector, across the workers, and the worker's
+      devices all-gather the averaged parts. With a float32 average ``k``
+      times fewer bytes cross between workers; a compressed ``average``
+      quantizes the one vector, its buckets across leaves and no leaf
+      spared by ``min_compressed_size``. ``average``'s state (its error
+      feedback) is then each device's part, a
+      :class:`~qsgd_jax.SplitAverageState`: ``init`` needs the axis's
+      size, inside the mapped function or under ``jax.set_mesh``, and
+      :func:`~qsgd_jax.state_partition_specs` lays it out given
+      ``split_axis=``. Not with ``delay``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` assumes

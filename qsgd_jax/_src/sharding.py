@@ -63,11 +63,10 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
     every device: they come from all-reduces) and the stats are replicated.
   * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`) the
     workers' own arrays lie along ``axis_name``: the inner optimizer's state
-    (every leaf, stored with a leading axis of one); the outer gradients
-    before their exchange (``outer_gradients``) along the outer axis (the
-    first of ``axis_name``), as a worker's devices hold the same parameters;
-    the averages' states are laid out by these same rules (a compressed
-    average's residuals along the axis). The count, the stats, the global parameters, the outer
+    (every leaf, stored with a leading axis of one) and the outer gradients
+    before their exchange (``outer_gradients``); the averages' states are
+    laid out by these same rules (a compressed average's residuals along the
+    axis). The count, the stats, the global parameters, the outer
     optimizers' states and the averaged outer gradients are the same on
     every device and replicated. On a two-level mesh pass every axis the
     parameters or the inner chain's state differ over, e.g.
@@ -152,7 +151,7 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
       FSDPOneBitErrorState: dict(worker_error=all_leaves(along_axis)),
       DiLoCoState: dict(
-          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_outer),
+          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_axis),
           average_states=lambda tree: specs(tree)),
       SplitAverageState: dict(state=all_leaves(along_split)),
       PowerSGDState: dict(

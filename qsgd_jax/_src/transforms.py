@@ -517,7 +517,7 @@ def _updates_finite(reduction_plan: plan.ReductionPlan, updates,
   seen_finite = encoded_finite & base.all_finite(float32_leaves)
   # Both answers typed varying over every axis either one is (under jax.shard_map).
   names = tuple(sorted(set(axes.varying_axes(seen_finite)).union(
-      *(axes.varying_axes(leaf) for leaf in leaves))))
+      *(axes.varying_axes(leaf) for leaf in leaves if _is_float(leaf)))))
   typed = (lambda x: axes.as_varying(x, names)) if names else (lambda x: x)
   return jax.lax.cond(seen_finite, lambda: typed(seen_finite),
                       lambda: typed(base.all_finite(updates)))
