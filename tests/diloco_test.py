@@ -673,3 +673,19 @@ def test_a_step_that_does_not_sync_leaves_the_whole_model_alone(delay):
                  if eqn.primitive.name in ("add", "sub", "select_n")
                  and any(tuple(v.aval.shape) in shapes for v in eqn.outvars)]
   assert not whole_model
+
+
+def test_resize_state_refuses_a_split_exchanges_parts():
+  """Each device's SplitAverageState is its part of the outer gradient, cut for the worker's
+  device count: resize_state says so rather than giving every device the first one's."""
+  average = qsgd_jax.qsgd("outer", bits=4, error_feedback=True, min_compressed_size=1)
+  tx = diloco(optax.sgd(0.1), "outer", sync_every=2, average=average, split_axis="inner")
+
+  def init_on(workers):  # Every device's state stacked along one first axis.
+    state = jax.vmap(jax.vmap(tx.init, axis_name="inner"), axis_name="outer")(
+        _stack(_stack(_params(), 4), workers))
+    return jax.tree.map(lambda x: x.reshape(workers * 4, *x.shape[2:]), state)
+
+  with pytest.raises(ValueError, match="SplitAverageState"):
+    qsgd_jax.resize_state(init_on(2), jax.eval_shape(lambda: init_on(3)), from_devices=8,
+                          to_devices=12, stacked=True)
