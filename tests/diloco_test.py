@@ -413,12 +413,13 @@ def test_data_parallel_keeps_a_model_a_device_and_matches_shard_map():
     step({"other": params}, state, jax.tree.unflatten(treedef, targets[0]))
 
 
-def test_average_over_another_axis_raises():
-  mesh = jax.make_mesh((4, 2), (AXIS, "other"))
-  average = qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "other", min_compressed_size=1)
-  tx = diloco(optax.sgd(0.1), AXIS, sync_every=1, average=average)
-  both = (AXIS, "other")
-  specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
+def _step_with_params_per_device(tx, mesh):
+  """Inits ``tx`` and takes one step under ``jax.shard_map`` over both axes of ``mesh``,
+  every device holding parameters of its own (laid out along both axes), its gradient the
+  parameters themselves."""
+  both = mesh.axis_names
+  with jax.set_mesh(mesh):  # Binds a split_axis's size for init under jax.eval_shape.
+    specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
   own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
 
   def step(params, state):
@@ -429,8 +430,14 @@ def test_average_over_another_axis_raises():
   init = jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(both), out_specs=specs)
   run = jax.shard_map(step, mesh=mesh, in_specs=(P(both), specs), out_specs=(P(both), specs))
   params = jax.device_put(_stack(_params()), NamedSharding(mesh, P(both)))
+  return jax.jit(run)(params, jax.jit(init)(params))
+
+
+def test_average_over_another_axis_raises():
+  average = qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "other", min_compressed_size=1)
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=1, average=average)
   with pytest.raises(ValueError, match="average returned an outer gradient that still differs"):
-    jax.jit(run)(params, jax.jit(init)(params))
+    _step_with_params_per_device(tx, jax.make_mesh((4, 2), (AXIS, "other")))
 
 
 def _two_level_inner():
@@ -546,23 +553,10 @@ def test_split_exchange_keeps_each_devices_part_of_the_error_feedback():
 
 
 def test_split_exchange_refuses_a_worker_whose_devices_differ():
-  mesh = jax.make_mesh((2, 4), ("outer", "inner"))
-  both = ("outer", "inner")
+  # No average over "inner": each device of a worker moves on its own.
   tx = diloco(optax.sgd(0.1), "outer", sync_every=1, split_axis="inner")
-  with jax.set_mesh(mesh):
-    specs = qsgd_jax.state_partition_specs(jax.eval_shape(tx.init, _params()), both)
-  own = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-
-  def step(params, state):  # No average over "inner": each device moves on its own.
-    params = own(params)
-    updates, state = tx.update(params, state, params)
-    return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), state
-
-  init = jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(both), out_specs=specs)
-  run = jax.shard_map(step, mesh=mesh, in_specs=(P(both), specs), out_specs=(P(both), specs))
-  params = jax.device_put(_stack(_params()), NamedSharding(mesh, P(both)))
   with pytest.raises(ValueError, match="differs across axis 'inner': every device of a worker"):
-    jax.jit(run)(params, jax.jit(init)(params))
+    _step_with_params_per_device(tx, jax.make_mesh((2, 4), ("outer", "inner")))
 
 
 def test_split_axis_must_be_a_workers_devices():

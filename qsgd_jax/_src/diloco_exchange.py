@@ -48,16 +48,14 @@ def init_average(average, zeros, split: axes.Axes | None):
     return optax.EmptyState()
   if split is None:
     return average.init(tuple(zeros))
-  part = jnp.zeros(split_length([z.size for z in zeros], split), jnp.float32)
+  part = jnp.zeros(split_length(sum(z.size for z in zeros), split_count(split)), jnp.float32)
   return SplitAverageState(jax.tree.map(lambda x: x[None], average.init((part,))))
 
 
-def split_length(sizes, split: axes.Axes | None) -> int | None:
-  """Elements of a fragment (leaves of ``sizes`` elements) each device of a worker exchanges:
-  ``ceil(sum(sizes) / k)`` over the ``k`` devices of ``split``; ``None`` without a split."""
-  if split is None:
-    return None
-  return -(-sum(sizes) // split_count(split))
+def split_length(size: int, count: int) -> int:
+  """Elements of a fragment of ``size`` elements each of a worker's ``count`` devices
+  exchanges: ``ceil(size / count)``."""
+  return -(-size // count)
 
 
 def split_count(split: axes.Axes) -> int:
@@ -101,8 +99,8 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
     averaged, new_state, bits = _average(delta, average_state, average, parsed, size)
   else:
     flat = jnp.concatenate([d.ravel() for d in delta])
-    length = split_length([d.size for d in delta], split)
     count = split_count(split)
+    length = split_length(flat.size, count)
     flat = jnp.pad(flat, (0, count * length - flat.size))
     part = jax.lax.dynamic_slice_in_dim(flat, jax.lax.axis_index(split.name) * length, length)
     own_state = average_state if average is None else jax.tree.map(lambda x: x[0],
