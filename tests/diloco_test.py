@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from qsgd_jax import DiLoCoState, diloco
+from qsgd_jax._src import diloco as diloco_module
 
 AXIS = "workers"
 WORKERS = 8
@@ -273,6 +274,21 @@ def test_non_finite_inner_step_skips_on_that_device():
   final_params, final_state = history[3]
   assert np.all(np.isfinite(final_state.global_params["w"]))
   assert np.all(np.isfinite(final_params["w"]))
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_non_finite_guard_is_the_same_as_a_select_or_a_conditional(mapping, monkeypatch):
+  """The CPU takes the conditional, other backends the select: the same bits either way."""
+  targets = _targets(4)
+  targets[1][0][2, 0] = np.nan  # Device 2's inner step 1 is not finite.
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=2)
+  histories = []
+  for guard in (diloco_module.kept_by_conditional, diloco_module.kept_by_select):
+    monkeypatch.setattr(diloco_module, "_finite_or_kept", guard)
+    histories.append(jax.device_get(_RUNS[mapping](tx, targets, 4)))
+  chex.assert_trees_all_equal(*histories)
+  params, state = histories[0][-1]
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state.global_params)))
 
 
 def test_non_finite_outer_gradient_skips_the_round_everywhere():
