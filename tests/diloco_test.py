@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import qsgd_jax
 from qsgd_jax import DiLoCoState, diloco
 from qsgd_jax._src import diloco as diloco_module
+from qsgd_jax._src import diloco_fragments
 
 AXIS = "workers"
 WORKERS = 8
@@ -328,6 +329,21 @@ def test_default_partition_strides_top_level_modules():
       "params": {**{name: 0 for name in blocks}, "Embed_0": 1}})
   state = by_function.init(params)
   assert [len(jax.tree.leaves(s)) for s in state.outer_states] == [12, 1]
+
+
+def test_default_partition_puts_other_modules_where_fewest_coordinates_are():
+  zeros = lambda *shape: {"w": np.zeros(shape, np.float32)}  # noqa: E731
+  params = {"params": {"block_0": zeros(10), "block_1": zeros(10), "block_2": zeros(10),
+                       "embedding": zeros(25), "head": zeros(12), "norm": zeros(2),
+                       "Dense_0": zeros(1)}}
+  # Layers block_0 and block_2 to fragment 0, block_1 to 1 (20 and 10 coordinates); then
+  # embedding (25) to 1, head (12) to 0, norm (2) to 0, Dense_0 (alone of its stem: not a
+  # layer; 1) to 0: 35 and 35 coordinates, where striding every module gave 38 and 32.
+  ids = dict(zip(sorted(params["params"]), jax.tree.leaves(
+      jax.tree.unflatten(jax.tree.structure(params),
+                         diloco_fragments.strided(params, 2)))))
+  assert ids == {"Dense_0": 0, "block_0": 0, "block_1": 1, "block_2": 0, "embedding": 1,
+                 "head": 0, "norm": 0}
 
 
 @pytest.mark.parametrize("kwargs, message", [

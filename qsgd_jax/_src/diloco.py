@@ -204,11 +204,13 @@ def diloco(
       an average over another axis is caught by its result still differing
       across ``axis_name``.
     fragments: :math:`P`, an int: the default partition strides the model's
-      top-level modules over the fragments (for a Flax
-      ``{'params': {'Block_0': ..., 'Block_1': ..., 'Embed_0': ...}}``,
-      ``Block_0`` to fragment 0, ``Block_1`` to 1, ...; in natural order;
-      by leaf where there are fewer modules than fragments); or a function
-      from the params to a pytree of ints, each leaf's fragment.
+      layers over the fragments (for a Flax ``{'params': {'Block_0': ...,
+      'Block_1': ..., 'Embed_0': ...}}``, ``Block_0`` to fragment 0,
+      ``Block_1`` to 1, ...; in natural order) and puts each other top-level
+      module, the largest first, where the fewest coordinates are so far, so
+      that each fragment is about :math:`1/P` of the model (by leaf where
+      there are fewer modules than fragments); or a function from the params
+      to a pytree of ints, each leaf's fragment.
     delay: :math:`\tau`, the steps between a fragment's sync and its merge;
       below ``sync_every // P``, as torchft requires, so that at most one
       fragment is in flight.

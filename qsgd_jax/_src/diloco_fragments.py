@@ -54,28 +54,45 @@ def assign(params, fragments: Fragments) -> tuple[int, tuple[int, ...]]:
 
 
 def strided(params, count: int) -> tuple[int, ...]:
-  """The default partition: the model's top-level modules, strided over the fragments.
+  """The default partition: the model's layers strided over the fragments, the rest by size.
 
   The *modules* are the children of the first node of ``params`` with more
   than one child, going down through nodes with a single child (Flax's
-  ``{'params': {...}}``): for ``{'params': {'Block_0': ..., 'Block_1': ...,
-  'Embed_0': ...}}`` they are ``Block_0``, ``Block_1``, ``Embed_0``. They are
-  put in natural order (``Block_2`` before ``Block_10``) and module ``k``
-  goes to fragment ``k mod count``, every leaf of a module with it, as
-  Streaming DiLoCo strides its transformer blocks over the fragments. With
-  fewer modules than fragments, leaf ``i`` (in ``jax.tree.leaves`` order)
-  goes to fragment ``i mod count`` instead.
+  ``{'params': {...}}``). Its *layers* are the modules named as a stem and a
+  number that another module shares the stem of (``Block_0``,
+  ``Block_1``, ...; ``block_0``, ``block_1``, ...). In natural order
+  (``Block_2`` before ``Block_10``), layer ``k`` goes to fragment
+  ``k mod count``, every leaf of it with it, as Streaming DiLoCo strides its
+  transformer blocks over the fragments. Each other module (embeddings, a
+  head, a final norm), the largest first, then goes to the fragment with the
+  fewest coordinates so far (the first of those tied), so that the
+  fragments, and the outer gradients a sync sends, are about ``1 / count``
+  of the model each. With fewer modules than fragments, leaf ``i`` (in
+  ``jax.tree.leaves`` order) goes to fragment ``i mod count`` instead.
   """
-  paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  paths_and_leaves = jax.tree_util.tree_leaves_with_path(params)
+  paths = [path for path, _ in paths_and_leaves]
   depth = 0
   while all(len(path) > depth for path in paths) and len({path[depth] for path in paths}) == 1:
     depth += 1
   module_of = [path[depth] if len(path) > depth else None for path in paths]
-  modules = sorted(set(module_of), key=lambda entry: _natural_key(str(entry)))
+  modules = sorted(set(module_of), key=lambda entry: _natural_key(_name(entry)))
   if len(modules) < count:
     return tuple(i % count for i in range(len(paths)))
-  index = {module: k for k, module in enumerate(modules)}
-  return tuple(index[module] % count for module in module_of)
+  sizes = dict.fromkeys(modules, 0)
+  for module, (_, leaf) in zip(module_of, paths_and_leaves, strict=True):
+    sizes[module] += int(np.prod(np.shape(leaf)))
+  stems = [_layer_stem(_name(module)) for module in modules]
+  layers = [m for m, stem in zip(modules, stems, strict=True)
+            if stem is not None and stems.count(stem) > 1]
+  fragment = {module: k % count for k, module in enumerate(layers)}
+  filled = [0] * count
+  for module in layers:
+    filled[fragment[module]] += sizes[module]
+  for module in sorted((m for m in modules if m not in fragment), key=lambda m: -sizes[m]):
+    fragment[module] = filled.index(min(filled))
+    filled[fragment[module]] += sizes[module]
+  return tuple(fragment[module] for module in module_of)
 
 
 def offsets(sync_every: int, count: int) -> tuple[int, ...]:
@@ -101,3 +118,17 @@ def _fragment_id(value) -> int:
 def _natural_key(name: str) -> tuple:
   return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
                for part in re.findall(r"\d+|\D+", name))
+
+
+def _layer_stem(name: str) -> str | None:
+  """``'Block_'`` for ``'Block_3'``; ``None`` for a name that does not end in a number."""
+  match = re.fullmatch(r"(.*?)\d+", name)
+  return match.group(1) if match else None
+
+
+def _name(entry) -> str:
+  """A path entry's name: a dict's key, an attribute's name, a sequence's index."""
+  for field in ("key", "name", "idx"):
+    if hasattr(entry, field):
+      return str(getattr(entry, field))
+  return str(entry)
