@@ -94,6 +94,10 @@ RUNS = (
     ("streaming", DILOCO + "+fragment_delay=5"),  # One fragment, its exchange overlapped.
     *(("streaming", f"{DILOCO}+sync_every=50+fragments=2+fragment_delay={delay}")
       for delay in (1, 5)),
+    # The delay's cost against the spread between seeds (seed 0's rows above).
+    ("streaming seeds", DILOCO + "+seed=2"),
+    *(("streaming seeds", f"{DILOCO}+fragments=2+fragment_delay={delay}+seed={seed}")
+      for seed in (1, 2) for delay in (1, 2, 5)),
 )
 DATA_PARALLEL = ("fp32", "bf16")
 SETTINGS = ("average", "diloco_workers", "sync_every", "outer_average", "outer_learning_rate",
