@@ -341,7 +341,7 @@ def test_default_partition_puts_other_modules_where_fewest_coordinates_are():
   # layer; 1) to 0: 35 and 35 coordinates, where striding every module gave 38 and 32.
   ids = dict(zip(sorted(params["params"]), jax.tree.leaves(
       jax.tree.unflatten(jax.tree.structure(params),
-                         diloco_fragments.strided(params, 2)))))
+                         diloco_fragments.strided(params, 2))), strict=True))
   assert ids == {"Dense_0": 0, "block_0": 0, "block_1": 1, "block_2": 0, "embedding": 1,
                  "head": 0, "norm": 0}
 
