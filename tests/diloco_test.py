@@ -344,6 +344,10 @@ def test_default_partition_puts_other_modules_where_fewest_coordinates_are():
                          diloco_fragments.strided(params, 2))), strict=True))
   assert ids == {"Dense_0": 0, "block_0": 0, "block_1": 1, "block_2": 0, "embedding": 1,
                  "head": 0, "norm": 0}
+  # Modules of no coordinates still leave no fragment empty.
+  empty = {"a": np.zeros(5, np.float32), "b": np.zeros(0, np.float32),
+           "c": np.zeros(0, np.float32)}
+  assert diloco_fragments.strided(empty, 3) == (0, 1, 2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

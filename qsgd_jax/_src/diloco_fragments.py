@@ -65,7 +65,8 @@ def strided(params, count: int) -> tuple[int, ...]:
   ``k mod count``, every leaf of it with it, as Streaming DiLoCo strides its
   transformer blocks over the fragments. Each other module (embeddings, a
   head, a final norm), the largest first, then goes to the fragment with the
-  fewest coordinates so far (the first of those tied), so that the
+  fewest coordinates so far (of those tied, the one holding the fewest
+  modules, then the first), so that the
   fragments, and the outer gradients a sync sends, are about ``1 / count``
   of the model each. With fewer modules than fragments, leaf ``i`` (in
   ``jax.tree.leaves`` order) goes to fragment ``i mod count`` instead.
@@ -76,7 +77,7 @@ def strided(params, count: int) -> tuple[int, ...]:
   while all(len(path) > depth for path in paths) and len({path[depth] for path in paths}) == 1:
     depth += 1
   module_of = [path[depth] if len(path) > depth else None for path in paths]
-  modules = sorted(set(module_of), key=lambda entry: _natural_key(_name(entry)))
+  modules = sorted(set(module_of), key=lambda entry: (_natural_key(_name(entry)), _name(entry)))
   if len(modules) < count:
     return tuple(i % count for i in range(len(paths)))
   sizes = dict.fromkeys(modules, 0)
@@ -86,12 +87,15 @@ def strided(params, count: int) -> tuple[int, ...]:
   layers = [m for m, stem in zip(modules, stems, strict=True)
             if stem is not None and stems.count(stem) > 1]
   fragment = {module: k % count for k, module in enumerate(layers)}
-  filled = [0] * count
+  filled, held = [0] * count, [0] * count
   for module in layers:
     filled[fragment[module]] += sizes[module]
+    held[fragment[module]] += 1
   for module in sorted((m for m in modules if m not in fragment), key=lambda m: -sizes[m]):
-    fragment[module] = filled.index(min(filled))
+    # Ties go to the fragment holding the fewest modules: an empty one before any other.
+    fragment[module] = min(range(count), key=lambda p: (filled[p], held[p]))
     filled[fragment[module]] += sizes[module]
+    held[fragment[module]] += 1
   return tuple(fragment[module] for module in module_of)
 
 
