@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import qsgd_jax
 from qsgd_jax import DiLoCoState, diloco
 from qsgd_jax._src import diloco as diloco_module
-from qsgd_jax._src import diloco_fragments
+from qsgd_jax._src import diloco_exchange, diloco_fragments
 
 AXIS = "workers"
 WORKERS = 8
@@ -284,7 +284,7 @@ def test_non_finite_guard_is_the_same_as_a_select_or_a_conditional(mapping, monk
   targets[1][0][2, 0] = np.nan  # Device 2's inner step 1 is not finite.
   tx = diloco(optax.adam(0.1), AXIS, sync_every=2)
   histories = []
-  for guard in (diloco_module.kept_by_conditional, diloco_module.kept_by_select):
+  for guard in (diloco_module.kept_by_conditional, diloco_exchange.select):
     monkeypatch.setattr(diloco_module, "_finite_or_kept", guard)
     histories.append(jax.device_get(_RUNS[mapping](tx, targets, 4)))
   chex.assert_trees_all_equal(*histories)

@@ -120,12 +120,12 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
     ((P('batch',),), P())
   """
   replicated, along_axis = PartitionSpec(), PartitionSpec(axis_name)
+  parsed = axes.parse(axis_name, "state_partition_specs")
   split_names = () if split_axis is None else axes.parse(split_axis, "state_partition_specs").names
-  along_split = PartitionSpec(tuple(dict.fromkeys(
-      (*axes.parse(axis_name, "state_partition_specs").names, *split_names))))
+  along_split = PartitionSpec(tuple(dict.fromkeys((*parsed.names, *split_names))))
   # 0/1 Adam's local steps run on each node's average over the inner axes: its per-device
   # momenta and accumulators differ between nodes only.
-  along_outer = PartitionSpec(axes.parse(axis_name, "state_partition_specs").outer)
+  along_outer = PartitionSpec(parsed.outer)
 
   def all_leaves(spec):
     return lambda tree: jax.tree.map(lambda _: spec, tree)
