@@ -34,6 +34,7 @@ from qsgd_jax._src.decentralized import (
 )
 from qsgd_jax._src.diloco import DiLoCoState, diloco
 from qsgd_jax._src.diloco_exchange import SplitAverageState
+from qsgd_jax._src.diloco_schedule import DiLoCoEvents, diloco_events
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
 from qsgd_jax._src.fsdp import fsdp_gather, fsdp_remat_policy
 from qsgd_jax._src.fsdp_onebit import (
@@ -93,6 +94,7 @@ __all__ = (
     "CompressionStats",
     "Compressor",
     "DataParallel",
+    "DiLoCoEvents",
     "DiLoCoState",
     "EliasSize",
     "FSDPOneBitAdamState",
@@ -124,6 +126,7 @@ __all__ = (
     "consensus_distance",
     "data_parallel",
     "diloco",
+    "diloco_events",
     "elias",
     "fsdp_gather",
     "fsdp_onebit_adam",

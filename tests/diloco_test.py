@@ -1,5 +1,7 @@
 """Tests of DiLoCo and Streaming DiLoCo (qsgd_jax.diloco) against NumPy references."""
 
+import functools
+
 import chex
 import diloco_reference as reference
 import jax
@@ -51,29 +53,43 @@ def _stack(tree, n=WORKERS):
   return jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))).copy(), tree)
 
 
-def _step(tx):
+def _step(tx, events=None):
   def step(params, state, target):
     grads = jax.tree.map(lambda x, c: x - c, params, target)
-    updates, state = tx.update(grads, state, params)
+    updates, state = tx.update(grads, state, params, events=events)
     return optax.apply_updates(params, updates), state
   return step
 
 
-def _run_pmap(tx, targets, steps):
-  """Local params and state after every step, under jax.pmap."""
+def _programs(make_step):
+  """``make_step(events)``'s program for each step: one for all with ``events_of=None``, else
+  one for each distinct ``events_of(t)``, compiled once."""
+  programs = {}
+
+  def program(t, events_of):
+    events = None if events_of is None else events_of(t)
+    if events not in programs:
+      programs[events] = make_step(events)
+    return programs[events]
+  return program
+
+
+def _run_pmap(tx, targets, steps, events_of=None):
+  """Local params and state after every step, under jax.pmap; with ``events_of`` (a function
+  of the step count), each step's events decided on the host."""
   treedef = jax.tree.structure(_params())
   params = _stack(_params())
   state = jax.pmap(tx.init, axis_name=AXIS)(params)
-  step = jax.pmap(_step(tx), axis_name=AXIS)
+  program = _programs(lambda events: jax.pmap(_step(tx, events), axis_name=AXIS))
   history = []
   for t in range(steps):
     params, state = jax.block_until_ready(
-        step(params, state, jax.tree.unflatten(treedef, targets[t])))
+        program(t, events_of)(params, state, jax.tree.unflatten(treedef, targets[t])))
     history.append((params, state))
   return history
 
 
-def _run_shard_map(tx, targets, steps):
+def _run_shard_map(tx, targets, steps, events_of=None):
   """The same under jax.shard_map, params laid out along the axis (a leading axis each)."""
   mesh = jax.make_mesh((WORKERS,), (AXIS,))
   treedef = jax.tree.structure(_params())
@@ -82,16 +98,17 @@ def _run_shard_map(tx, targets, steps):
   stacked = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
   init = jax.jit(jax.shard_map(lambda p: tx.init(own(p)), mesh=mesh, in_specs=P(AXIS),
                                out_specs=specs))
-  step = jax.jit(jax.shard_map(
-      lambda p, s, c: (lambda out: (stacked(out[0]), out[1]))(_step(tx)(own(p), s, own(c))),
-      mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs)))
+  program = _programs(lambda events: jax.jit(jax.shard_map(
+      lambda p, s, c: (lambda out: (stacked(out[0]), out[1]))(
+          _step(tx, events)(own(p), s, own(c))),
+      mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs))))
   put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(AXIS)))  # noqa: E731
   params = put(_stack(_params()))
   state = init(params)
   history = []
   for t in range(steps):
     params, state = jax.block_until_ready(
-        step(params, state, put(jax.tree.unflatten(treedef, targets[t]))))
+        program(t, events_of)(params, state, put(jax.tree.unflatten(treedef, targets[t]))))
     history.append((params, state))
   return history
 
@@ -677,6 +694,67 @@ def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
   assert len(exchanges) == 2  # One a fragment.
   for inputs in exchanges:
     assert min(inputs) >= num_grads and max(inputs) < num_grads + num_state
+
+
+@pytest.mark.parametrize("mapping, delay", [("pmap", 0), ("shard_map", 2)])
+def test_events_decided_on_the_host_give_the_same_bits(mapping, delay):
+  # Streaming with a compressed average (its error feedback and key across rounds) and outer
+  # momentum: each step's own program gives what the one program of conditionals does.
+  sync_every, steps = 6, 14
+  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=delay,
+              outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+              average=qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=1))
+  targets = _targets(steps)
+  in_program = _RUNS[mapping](tx, targets, steps)
+  on_host = _RUNS[mapping](tx, targets, steps, lambda count: qsgd_jax.diloco_events(
+      count, sync_every=sync_every, fragments=2, delay=delay))
+  chex.assert_trees_all_equal(on_host, in_program)
+
+
+def _collectives(jaxpr, inside_cond=False):
+  """The (primitive, whether under a ``cond``) of each collective of ``jaxpr``."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("psum", "all_gather", "all_to_all", "ppermute"):
+      yield eqn.primitive.name, inside_cond
+    for inner in _inner_jaxprs(eqn.params):
+      yield from _collectives(inner, inside_cond or eqn.primitive.name == "cond")
+
+
+def test_events_put_an_exchange_at_the_top_level_and_nothing_between_syncs():
+  params = _params()
+  tx = diloco(optax.adam(0.1), AXIS, sync_every=4, fragments=2, delay=1,
+              average=qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=1))
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, params))
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def collectives(count):
+    events = qsgd_jax.diloco_events(count, sync_every=4, fragments=2, delay=1)
+    update = functools.partial(tx.update, events=events)
+    return list(_collectives(
+        jax.make_jaxpr(update, axis_env=[(AXIS, WORKERS)])(grads, state, params).jaxpr))
+
+  assert collectives(0) == collectives(1) == []  # Before the first exchange; a sync step.
+  sent = collectives(2)  # Fragment 0's exchange.
+  assert sent and not any(under_cond for _, under_cond in sent)
+  in_program = jax.make_jaxpr(tx.update, axis_env=[(AXIS, WORKERS)])(grads, state, params)
+  assert all(under_cond for _, under_cond in _collectives(in_program.jaxpr))
+
+
+def test_events_of_another_schedule_raise():
+  params = _params()
+  tx = diloco(optax.sgd(0.1), AXIS, sync_every=4, fragments=2, delay=1)
+  state = jax.eval_shape(tx.init, params)
+  update = lambda events: jax.eval_shape(  # noqa: E731
+      functools.partial(tx.update, events=events), params, state, params)
+  with pytest.raises(ValueError, match=r"delay=0, but this transformation has sync_every=4, "
+                     r"2 fragments, delay=1"):
+    update(qsgd_jax.diloco_events(0, sync_every=4, fragments=2))
+  with pytest.raises(TypeError, match="DiLoCoEvents"):
+    update((0,))
+  with pytest.raises(ValueError, match="count must be an int of at least 0"):
+    qsgd_jax.diloco_events(-1, sync_every=4)
+  with pytest.raises(ValueError, match="delay=2 must be below the fragment interval"):
+    qsgd_jax.diloco_events(0, sync_every=4, fragments=2, delay=2)
 
 
 @pytest.mark.parametrize("delay", [0, 1])

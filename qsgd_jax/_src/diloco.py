@@ -8,7 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, diloco_checks, diloco_exchange, diloco_fragments, stats, wire
+from qsgd_jax._src import (
+    axes,
+    base,
+    diloco_checks,
+    diloco_exchange,
+    diloco_fragments,
+    diloco_schedule,
+    stats,
+    wire,
+)
 
 _OWNER = "qsgd_jax.diloco"
 
@@ -123,8 +132,8 @@ def diloco(
     (``averaged_gradients`` holds the result). Whether it does is the
     backend's: XLA:CPU with gloo runs a collective beside independent
     work at the top level of a program but not under ``jax.lax.cond``, as
-    this one is so that other steps send nothing; measured on real
-    processes, nothing is hidden there (``benchmarks/network_diloco.py``);
+    this one is unless ``events`` are given (below;
+    ``benchmarks/network_diloco.py`` measures it on real processes);
   * step :math:`s + \tau`: the outer step and the merge, with
     :math:`\theta_{m,p}` the local fragment as it is then (after
     :math:`\tau` more inner steps), as torchft merges at
@@ -153,13 +162,22 @@ def diloco(
   kept, and every device takes the fragment back to the global parameters,
   as torchft restores them when a sync does not commit.
 
-  On a GPU: whether a fragment syncs is a ``jax.lax.cond`` (its branch holds
-  the collective). XLA:GPU runs a conditional outside the step's CUDA graph
-  by default and the host waits for its predicate, so it cannot dispatch the
-  next step meanwhile: on an H100 the step between syncs was 21% longer
-  than AdamW's. Add ``CONDITIONAL`` and ``WHILE`` to
+  Deciding on the host: by default whether a fragment syncs is a
+  ``jax.lax.cond`` on the state's ``count`` (its branch holds the
+  collective), so that one compiled step serves every step. Given
+  ``update(..., events=qsgd_jax.diloco_events(count, ...))`` (static under
+  ``jax.jit``), it is decided in Python and each kind of step gets a program
+  of its own, bit for bit the same results: a step between syncs has no
+  conditional and no collective, and an exchange runs at the program's top
+  level, where XLA:CPU with gloo runs it beside the step's forward and
+  backward passes (it does not under a conditional). On a GPU: XLA:GPU runs
+  a conditional outside the step's CUDA graph by default and the host waits
+  for its predicate, so it cannot dispatch the next step meanwhile: on an
+  H100 the step between syncs was 21% longer than AdamW's with the
+  conditionals, 3.4% with ``CONDITIONAL`` and ``WHILE`` added to
   ``--xla_gpu_enable_command_buffer`` in ``XLA_FLAGS`` (the local-updates
-  guide gives the whole flag): 3.4% longer.
+  guide gives the whole flag), and 0.6% with the sync conditional taken out
+  of the program, which is what ``events`` does.
 
   Layouts: between syncs the devices hold different parameters. Under
   ``jax.pmap`` nothing is needed. Under ``jax.shard_map``, lay the
@@ -235,14 +253,19 @@ def diloco(
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` assumes
     every device starts from the same params (under ``jax.shard_map`` the
     global copy is broadcast from the first device). ``update(grads, state,
-    params)`` needs ``params`` and runs inside ``jax.pmap`` or
+    params, events=None)`` needs ``params`` and runs inside ``jax.pmap`` or
     ``jax.shard_map`` over ``axis_name``; apply its updates unchanged.
+    ``events``, a :class:`~qsgd_jax.DiLoCoEvents` of
+    :func:`~qsgd_jax.diloco_events` for the state's ``count``, decides on the
+    host what the step does (see above); ``None`` decides in the program.
 
   Raises:
     ValueError: a bad ``sync_every``, ``delay``, ``alpha`` or
       ``fragments``; an ``update`` without params, with params replicated
-      over the axis, with an ``average`` over another axis, or with a
-      state from another configuration or number of workers.
+      over the axis, with an ``average`` over another axis, with a state
+      from another configuration or number of workers, or with ``events``
+      of another schedule.
+    TypeError: ``events`` that are not a :class:`~qsgd_jax.DiLoCoEvents`.
 
   Examples:
     Eight workers (``jax.vmap`` here; ``jax.pmap`` or ``jax.shard_map`` on
@@ -323,12 +346,14 @@ def diloco(
     base.check_float_leaves(params, _OWNER)
     return make_state(params, diloco_checks.from_first_device(params, parsed))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, events=None, **extra_args):
     if params is None:
       raise ValueError(f"{_OWNER}: update needs this device's params: call "
                        "update(grads, state, params).")
     base.check_float_leaves(params, _OWNER)
     members, offsets = plan(params)
+    if events is not None:
+      diloco_schedule.check_events(events, sync_every, len(members), delay)
     diloco_checks.check_state(state, jax.eval_shape(make_state, params, params), DiLoCoState)
     if parsed.is_local:
       size = 1
@@ -378,10 +403,10 @@ def diloco(
                                  size=size, split=split)
 
     for p, (member, offset) in enumerate(zip(members, offsets, strict=True)):
-      phase = (step - offset) % sync_every
-
-      def at(k, phase=phase, offset=offset):  # The sync step, or k steps after one.
-        return (phase == k) & (step >= offset + k)
+      def at(k, p=p, offset=offset):  # The sync step, or k steps after one.
+        if events is not None:  # Decided on the host: a Python bool.
+          return p in (events.takes if k == 0 else events.sends if k == 1 else events.merges)
+        return diloco_schedule.fires(step, offset, sync_every, k)
 
       def outer_step(averaged, member=member, p=p):
         updates, new_global, new_outer_state = _outer_step(
@@ -471,7 +496,10 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
 
 
 def _cond(predicate, true_fn, false_fn):
-  """``jax.lax.cond`` on a step-count predicate, the same on every device."""
+  """``jax.lax.cond`` on a step-count predicate, the same on every device; on a Python bool
+  (events decided on the host), the one function it names, called at trace time."""
+  if isinstance(predicate, bool):
+    return true_fn() if predicate else false_fn()
   return jax.lax.cond(predicate, true_fn, false_fn)
 
 
