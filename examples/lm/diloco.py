@@ -79,12 +79,13 @@ def mesh(config: ml_collections.ConfigDict, axis: str) -> jax.sharding.Mesh:
 
 
 def train_step(state: TrainState, batch, learning_rate_fn: optax.Schedule, loss_fn: Callable,
-               axis: str, metrics_of: Callable):
-  """One step of a worker's device, under ``jax.shard_map`` over ``(WORKERS, axis)``."""
+               axis: str, metrics_of: Callable, events: qsgd_jax.DiLoCoEvents | None = None):
+  """One step of a worker's device, under ``jax.shard_map`` over ``(WORKERS, axis)``; with
+  ``events``, what it does for the outer loop decided on the host."""
   params = jax.tree.map(lambda x: x[0], state.params)  # This worker's copy.
   loss, grads = jax.value_and_grad(loss_fn)(qsgd_jax.as_varying(params, axis), batch,
                                             state.apply_fn)
-  updates, opt_state = state.tx.update(grads, state.opt_state, params)
+  updates, opt_state = state.tx.update(grads, state.opt_state, params, events=events)
   params = optax.apply_updates(params, updates)
   state = state.replace(step=state.step + 1, params=jax.tree.map(lambda x: x[None], params),
                         opt_state=opt_state)
@@ -105,7 +106,12 @@ def eval_step(state: TrainState, batch, axis: str):
 
 def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTransformation,
                 step: Callable, param_shapes, axis: str):
-  """``(init, train_step, eval_step, put_batch)`` of DiLoCo over :func:`mesh`'s workers.
+  """``(init, train_step, eval_step, put_batch, compile_programs)`` of DiLoCo over
+  :func:`mesh`'s workers.
+
+  ``train_step`` decides in its program what each step does for the outer
+  loop; ``compile_programs`` (``None`` unless ``config.diloco_events_on_host``)
+  compiles a program for each kind of step instead (``qsgd_jax.diloco_events``).
 
   Args:
     config: the run's configuration.
@@ -154,8 +160,19 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
   def put_batch(batch):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(split, x), batch)
 
-  train = jax.jit(shard(step, in_specs=(specs, P(axes)), out_specs=(specs, P())),
-                  donate_argnums=(0,))
+  def train_for(events):
+    return jax.jit(shard(functools.partial(step, events=events), in_specs=(specs, P(axes)),
+                         out_specs=(specs, P())), donate_argnums=(0,))
+
+  def compile_programs(state, batch):
+    schedule = dict(sync_every=config.sync_every, fragments=config.fragments,
+                    delay=config.fragment_delay)
+    # Two rounds hold every kind of step (the first round's only fewer).
+    kinds = {qsgd_jax.diloco_events(count, **schedule) for count in range(2 * config.sync_every)}
+    compiled = {events: train_for(events).lower(state, batch).compile() for events in kinds}
+    return lambda count: compiled[qsgd_jax.diloco_events(count, **schedule)]
+
   evaluate = jax.jit(shard(functools.partial(eval_step, axis=axis), in_specs=(specs, P(axes)),
                            out_specs=P()))
-  return init, train, evaluate, put_batch
+  return (init, train_for(None), evaluate, put_batch,
+          compile_programs if config.diloco_events_on_host else None)

@@ -332,12 +332,17 @@ class Mapped(NamedTuple):
     train_step: ``(state, batch) -> (state, metrics)``; donates ``state``.
     eval_step: ``(state, batch) -> sums``.
     put_batch: this process's numpy batch onto its devices.
+    compile_programs: ``(state, batch) -> (count -> step)``, where the host
+      chooses each step's program (DiLoCo's ``diloco_events_on_host``): the
+      compiled step to run after ``count`` steps, each a ``train_step`` for
+      these arguments' shapes; ``None`` where ``train_step`` serves every step.
   """
 
   init: Callable
   train_step: Callable
   eval_step: Callable
   put_batch: Callable
+  compile_programs: Callable | None = None
 
 
 def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
@@ -597,8 +602,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # pmap's compiled program takes global arrays: across processes, call pmap itself.
     multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
     train_step = mapped.train_step if multiprocess_pmap else compiled_step
+    # The bytes of the program that decides every step's kind (every kind a branch).
     hlo_bytes = wire_bytes_from_hlo(compiled_step)
     by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
+    program_at = (lambda count: train_step) if mapped.compile_programs is None else (
+        mapped.compile_programs(state, batch))
     compile_seconds = time.perf_counter() - start
     # XLA's CPU collectives give up after a while: one step at a time there.
     block_every_step = jax.default_backend() == "cpu"
@@ -616,7 +624,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           f"{num_params:,} parameters; the compiled step sends {sum(hlo_bytes.values()):,.0f} "
           f"bytes a device (a float32 all-reduce of the gradients: {fp32_bytes:,.0f}).")
     for step in progress:
-      state, metrics = train_step(state, batch)
+      state, metrics = program_at(step)(state, batch)
       if block_every_step:
         jax.block_until_ready((state, metrics))
       window.append(metrics)

@@ -292,15 +292,19 @@ def test_a_resumed_run_equals_an_uninterrupted_run(runs):
 
 def test_a_resumed_diloco_run_equals_an_uninterrupted_one(tmp_path):
   """DiLoCo resumed from step 4 of 6, mid-round (syncs at 3 and 6): the global parameters,
-  every worker's inner state and the outer average's error feedback come back bit for bit."""
+  every worker's inner state and the outer average's error feedback come back bit for bit.
+  The uninterrupted run decides each step's kind in its one program, the resumed one on the
+  host from the restored step (``diloco_events_on_host``): the same bits too."""
   config = _config("fp32", "shard_map", "diloco")
   config.diloco_workers, config.sync_every, config.outer_average = 2, 3, "qsgd4_ef"
   uninterrupted, interrupted = tmp_path / "uninterrupted", tmp_path / "interrupted"
+  config.diloco_events_on_host = False
   train.train_and_evaluate(config, str(uninterrupted))
   shutil.copytree(uninterrupted / "checkpoints" / "4", interrupted / "checkpoints" / "4")
   records = (uninterrupted / "metrics.jsonl").read_text().splitlines()
   (interrupted / "metrics.jsonl").write_text(
       "".join(line + "\n" for line in records if json.loads(line)["step"] <= 5))
+  config.diloco_events_on_host = True
   assert train.train_and_evaluate(config, str(interrupted))["first_step"] == 4
   final, resumed = _checkpoint(uninterrupted, 6), _checkpoint(interrupted, 6)
   assert jax.tree.structure(resumed) == jax.tree.structure(final)
@@ -340,6 +344,7 @@ def test_a_split_diloco_exchange_sends_a_quarter_across_workers(tmp_path):
     config = _config("fp32", "shard_map", "diloco")
     config.diloco_workers, config.sync_every, config.outer_average = 2, 3, "fp32"
     config.checkpoint_every_steps, config.outer_split = 0, split
+    config.diloco_events_on_host = False  # One program a run: the split is what is tested.
     summary = train.train_and_evaluate(config, str(tmp_path / str(split)))
     records = [json.loads(line) for line in (tmp_path / str(split) / "metrics.jsonl").open()]
     runs[split] = summary, [r["wire_bytes"] for r in records if "loss" in r]
