@@ -696,12 +696,16 @@ def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
     assert min(inputs) >= num_grads and max(inputs) < num_grads + num_state
 
 
-@pytest.mark.parametrize("mapping, delay", [("pmap", 0), ("shard_map", 2)])
-def test_events_decided_on_the_host_give_the_same_bits(mapping, delay):
+@pytest.mark.parametrize("mapping, delay, fragments", [
+    ("pmap", 1, lambda params: jax.tree.unflatten(jax.tree.structure(params), _TWO_FRAGMENTS)),
+    ("shard_map", 2, 2),
+])
+def test_events_decided_on_the_host_give_the_same_bits(mapping, delay, fragments):
   # Streaming with a compressed average (its error feedback and key across rounds) and outer
-  # momentum: each step's own program gives what the one program of conditionals does.
+  # momentum: each step's own program gives what the one program of conditionals does (delay
+  # 1: a fragment's exchange and merge in one step; 2: in two).
   sync_every, steps = 6, 14
-  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=delay,
+  tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=fragments, delay=delay,
               outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
               average=qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=1))
   targets = _targets(steps)
@@ -751,8 +755,13 @@ def test_events_of_another_schedule_raise():
     update(qsgd_jax.diloco_events(0, sync_every=4, fragments=2))
   with pytest.raises(TypeError, match="DiLoCoEvents"):
     update((0,))
-  with pytest.raises(ValueError, match="count must be an int of at least 0"):
+  with pytest.raises(TypeError, match="pass them to jax.jit as a static argument"):
+    jax.jit(lambda events: update(events))(qsgd_jax.diloco_events(0, sync_every=4, fragments=2,
+                                                                  delay=1))
+  with pytest.raises(ValueError, match="count must be at least 0"):
     qsgd_jax.diloco_events(-1, sync_every=4)
+  with pytest.raises(TypeError, match="count must be an int"):
+    qsgd_jax.diloco_events(1.0, sync_every=4)
   with pytest.raises(ValueError, match="delay=2 must be below the fragment interval"):
     qsgd_jax.diloco_events(0, sync_every=4, fragments=2, delay=2)
 

@@ -165,6 +165,10 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
                          out_specs=(specs, P())), donate_argnums=(0,))
 
   def compile_programs(state, batch):
+    count = int(state.opt_state.count)  # The loop counts TrainState's steps: the same here.
+    if count != int(state.step):
+      raise ValueError(f"The state's step {int(state.step)} is not DiLoCo's count {count}: "
+                       "the programs are chosen by the step.")
     schedule = dict(sync_every=config.sync_every, fragments=config.fragments,
                     delay=config.fragment_delay)
     # Two rounds hold every kind of step (the first round's only fewer).

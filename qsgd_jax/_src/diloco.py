@@ -167,17 +167,20 @@ def diloco(
   collective), so that one compiled step serves every step. Given
   ``update(..., events=qsgd_jax.diloco_events(count, ...))`` (static under
   ``jax.jit``), it is decided in Python and each kind of step gets a program
-  of its own, bit for bit the same results: a step between syncs has no
-  conditional and no collective, and an exchange runs at the program's top
-  level, where XLA:CPU with gloo runs it beside the step's forward and
-  backward passes (it does not under a conditional). On a GPU: XLA:GPU runs
-  a conditional outside the step's CUDA graph by default and the host waits
-  for its predicate, so it cannot dispatch the next step meanwhile: on an
-  H100 the step between syncs was 21% longer than AdamW's with the
-  conditionals, 3.4% with ``CONDITIONAL`` and ``WHILE`` added to
-  ``--xla_gpu_enable_command_buffer`` in ``XLA_FLAGS`` (the local-updates
-  guide gives the whole flag), and 0.6% with the sync conditional taken out
-  of the program, which is what ``events`` does.
+  of its own, with the same results (bit for bit in the CPU tests): a step
+  between syncs has no sync conditional and no collective, and an exchange
+  runs at the program's top level, where the backend may run it beside the
+  step's forward and backward passes (XLA:CPU with gloo runs a collective
+  beside independent work there, not under a conditional). Checks of the
+  exchange then first run when a program that exchanges is traced. On a
+  GPU: XLA:GPU runs a conditional outside the step's CUDA graph by default
+  and the host waits for its predicate, so it cannot dispatch the next step
+  meanwhile: on an H100 the step between syncs was 21% longer than AdamW's
+  with the conditionals, and 3.4% with ``CONDITIONAL`` and ``WHILE`` added
+  to ``--xla_gpu_enable_command_buffer`` in ``XLA_FLAGS`` (the local-updates
+  guide gives the whole flag). A patch that took the sync conditional out of
+  the program, as ``events`` does between syncs, measured 0.6% there before
+  ``events`` existed; ``events`` itself has not run on a GPU yet.
 
   Layouts: between syncs the devices hold different parameters. Under
   ``jax.pmap`` nothing is needed. Under ``jax.shard_map``, lay the

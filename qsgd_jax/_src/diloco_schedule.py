@@ -1,7 +1,10 @@
 """When each fragment of DiLoCo takes, sends and merges its outer gradient: as predicates on
 the state's step count inside the program, or decided on the host (:func:`diloco_events`)."""
 
+import operator
 from typing import NamedTuple
+
+import jax
 
 from qsgd_jax._src import diloco_checks, diloco_fragments
 
@@ -56,11 +59,15 @@ def diloco_events(count: int, *, sync_every: int, fragments: int = 1,
   ``count``, whether a fragment syncs: each decision is a ``jax.lax.cond``.
   Given ``events=diloco_events(count, ...)``, its ``update`` decides in
   Python instead, so that the program of a step holds only what that step
-  does: a step between syncs neither branches nor communicates, and a step
-  that exchanges runs its collective at the program's top level, where the
-  backend may overlap it with the step's forward and backward passes (XLA:CPU
-  with gloo does; XLA:GPU with its default flags keeps a conditional out of
-  the step's CUDA graph, so that the host waits at every step).
+  does: a step between syncs has no sync conditional and no collective, and
+  a step that exchanges runs its collective at the program's top level,
+  where the backend may run it beside the step's forward and backward passes
+  (XLA:CPU with gloo runs a collective beside independent work there, not
+  under a conditional; XLA:GPU with its default flags keeps a conditional out
+  of the step's CUDA graph, so that the host waits at every step). Pass the
+  events as a static argument (``static_argnames`` of ``jax.jit``,
+  ``static_broadcasted_argnums`` of ``jax.pmap``): each distinct value
+  compiles a program, ``1 + P`` of them with ``delay=0``, at most ``1 + 3P``.
 
   Args:
     count: the steps taken before this one: the state's ``count``, kept on
@@ -77,6 +84,7 @@ def diloco_events(count: int, *, sync_every: int, fragments: int = 1,
     A :class:`DiLoCoEvents`.
 
   Raises:
+    TypeError: an argument that is not an integer.
     ValueError: a negative ``count``, or a schedule ``diloco`` refuses.
 
   Examples:
@@ -89,11 +97,20 @@ def diloco_events(count: int, *, sync_every: int, fragments: int = 1,
     [((), (), ()), ((0,), (), ()), ((), (0,), (0,)), ((1,), (), ()),
      ((), (1,), (1,))]
   """
+  values = {}
   for name, value, least in (("count", count, 0), ("sync_every", sync_every, 1),
                              ("fragments", fragments, 1), ("delay", delay, 0)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-      raise ValueError(f"qsgd_jax.diloco_events: {name} must be an int of at least {least}, "
-                       f"got {value!r}.")
+    try:
+      if isinstance(value, bool):
+        raise TypeError
+      values[name] = operator.index(value)
+    except TypeError:
+      raise TypeError(f"qsgd_jax.diloco_events: {name} must be an int, got {value!r}: the "
+                      "events are decided on the host, from a count kept there.") from None
+    if values[name] < least:
+      raise ValueError(f"qsgd_jax.diloco_events: {name} must be at least {least}, got "
+                       f"{value!r}.")
+  count, sync_every, fragments, delay = values.values()
   diloco_checks.check_schedule(sync_every, fragments, delay)
   step = count + 1
   offsets = diloco_fragments.offsets(sync_every, fragments)
@@ -106,16 +123,22 @@ def diloco_events(count: int, *, sync_every: int, fragments: int = 1,
                       fragments=fragments, delay=delay)
 
 
-def check_events(events, sync_every: int, count: int, delay: int) -> None:
-  """Raises unless ``events`` is a :class:`DiLoCoEvents` of this schedule."""
+def check_events(events, sync_every: int, fragments: int, delay: int) -> None:
+  """Raises unless ``events`` is a :class:`DiLoCoEvents` of this schedule (``fragments`` the
+  number of fragments), static."""
   if not isinstance(events, DiLoCoEvents):
     raise TypeError(
         f"{_OWNER}: events must be a qsgd_jax.DiLoCoEvents from qsgd_jax.diloco_events, got "
         f"{type(events).__name__}. Pass events=None to decide from the state's count.")
+  if not all(isinstance(x, int) for x in jax.tree.leaves(events)):
+    raise TypeError(
+        f"{_OWNER}: events hold traced values: pass them to jax.jit as a static argument "
+        "(static_argnames, or static_broadcasted_argnums of jax.pmap), as the program depends "
+        "on them.")
   given = (events.sync_every, events.fragments, events.delay)
-  if given != (sync_every, count, delay):
+  if given != (sync_every, fragments, delay):
     raise ValueError(
         f"{_OWNER}: events are of sync_every={given[0]}, fragments={given[1]}, delay="
-        f"{given[2]}, but this transformation has sync_every={sync_every}, {count} fragments, "
-        f"delay={delay}: build them with qsgd_jax.diloco_events(count, sync_every="
-        f"{sync_every}, fragments={count}, delay={delay}).")
+        f"{given[2]}, but this transformation has sync_every={sync_every}, {fragments} "
+        f"fragments, delay={delay}: build them with qsgd_jax.diloco_events(count, sync_every="
+        f"{sync_every}, fragments={fragments}, delay={delay}).")

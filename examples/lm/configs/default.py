@@ -66,8 +66,8 @@ def get_config() -> ml_collections.ConfigDict:
   # workers, then the worker gathers the parts (qsgd_jax.diloco's split_axis; not with a delay).
   config.outer_split = False
   # Each step's program chosen on the host (qsgd_jax.diloco_events): a step between syncs has no
-  # conditional and no collective, and an exchange runs beside the forward and backward passes;
-  # False: one program of conditionals on the step count serves every step (the same bits).
+  # sync conditional and no collective, and an exchange may run beside the forward and backward
+  # passes; False: one program of conditionals on the step count serves every step (same bits).
   config.diloco_events_on_host = True
   # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
   # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).
