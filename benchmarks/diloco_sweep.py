@@ -62,6 +62,7 @@ def steps(count: int) -> str:
 
 
 LONG = steps(1200)
+H100 = steps(1205)
 # (group, mode): what each run answers, the baselines first.
 RUNS = (
     ("data parallel", "fp32"),
@@ -98,6 +99,14 @@ RUNS = (
     ("streaming seeds", DILOCO + "+seed=2"),
     *(("streaming seeds", f"{DILOCO}+fragments=2+fragment_delay={delay}+seed={seed}")
       for seed in (1, 2) for delay in (1, 2, 5)),
+    # Streaming DiLoCo's own setting: H = 100, delays of at most 5% of a round. The runs end 5
+    # steps after the last sync, so that every fragment's last exchange is merged when they are
+    # evaluated (at 1,200 the last fragment's is still in flight).
+    ("streaming at H = 100", "fp32" + H100),
+    *(("streaming at H = 100", f"{DILOCO}+sync_every=100{H100}+seed={seed}") for seed in (0, 1, 2)),
+    *(("streaming at H = 100",
+       f"{DILOCO}+sync_every=100+fragments=2+fragment_delay={delay}{H100}+seed={seed}")
+      for seed in (0, 1, 2) for delay in (1, 2, 5)),
 )
 DATA_PARALLEL = ("fp32", "bf16")
 SETTINGS = ("average", "diloco_workers", "sync_every", "outer_average", "outer_learning_rate",

@@ -80,7 +80,8 @@ time each kind of step, and the seconds to that loss are derived from the
 collective runs beside independent matmuls, at top level and under
 ``lax.cond``, then Streaming DiLoCo on the language model with its exchange a
 step after its outer gradient (``fragment_delay=1``) against in the same step
-(0), free and at 100 Mbit/s.
+(0), each step's program chosen on the host and in one program of
+conditionals; free and at 100 Mbit/s.
 
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
@@ -102,7 +103,7 @@ Usage (as root)::
   python benchmarks/network.py --parts lm        # Part 5: 2 processes, 23 minutes here
   python benchmarks/network.py --parts lm --lm-modes fp32 bf16 diloco diloco_streaming \
       --lm-rates unthrottled "100 Mbit/s" --suffix _lm_diloco   # DiLoCo: 26 minutes
-  python benchmarks/network.py --parts diloco_overlap           # Part 6: 7 minutes
+  python benchmarks/network.py --parts diloco_overlap           # Part 6: 8 minutes
 """
 
 import argparse
@@ -823,7 +824,7 @@ def main(argv=None) -> None:
           "Part 5: the language model, data-parallel, to float32's final loss",
           network_lm.table(report["lm"], args.lm_processes)))
     if "diloco_overlap" in args.parts:
-      _log(f"Part 6: DiLoCo's exchange with delays {network_diloco.DELAYS} at"
+      _log(f"Part 6: DiLoCo's exchange, runs {[run[0] for run in network_diloco.RUNS]}, at"
            f" {args.overlap_rates}")
       report["diloco_overlap"] = network_diloco.run(
           launcher.with_processes(args.lm_processes), args, work, RATES, _log)

@@ -4,12 +4,15 @@
 sync step ``s`` and averages it in step ``s + 1``, whose forward and backward
 passes do not depend on the exchange: XLA may run them at the same time. With
 ``delay=0`` the exchange runs in step ``s`` after that step's inner update,
-which it needs. ``examples/lm`` on ``configs/network.py``, one worker a
+which it needs. Each delay runs twice: each step's program chosen on the
+host (``qsgd_jax.diloco_events``; the example's default), the exchange at its
+top level, and in one program of conditionals, the exchange under
+``jax.lax.cond``. ``examples/lm`` on ``configs/network.py``, one worker a
 process (2 processes of one CPU device each), Streaming DiLoCo with 2
 fragments synced every 10 steps in turn (H = 20) and a float32 outer average
 (a fragment's ring all-reduce sends 13 MB a node, 1.05 s at 100 Mbit/s, so
 that what is hidden is far above the steps' noise), trains
-``--overlap-steps`` steps with each delay at each rate of ``--overlap-rates``.
+``--overlap-steps`` steps with each of :data:`RUNS` at each rate of ``--overlap-rates``.
 
 Each run is read by the position of its steps in the schedule (the records'
 steps counted from 1; fragment ``p`` syncs at the steps ``10 (p + 1) + 20 k``):
@@ -20,7 +23,7 @@ sum over the sync and exchange steps of their median less the plain steps'
 median, within the run. The free-link run's cost is the outer step's own
 computation; at a shaped rate the exchange adds its time on the wire, all of
 it with ``delay=0``; with ``delay=1`` less by what the step's computation
-hides.
+hides: the difference, within the same kind of program, is what is hidden.
 
 First, a probe (``network_overlap_worker.py``): one program of matmuls
 alone, a float32 ``pmean`` of 13.2 MB alone, both with no dependency between
@@ -37,7 +40,11 @@ import network_lm
 
 SYNC_EVERY = 20
 FRAGMENTS = 2
-DELAYS = (0, 1)
+# (name, delay, each step's program chosen on the host).
+RUNS = (("delay 0", 0, True), ("delay 1", 1, True), ("delay 0, one program", 0, False),
+        ("delay 1, one program", 1, False))
+# What a delay hides: (the run with it, the same kind of program without).
+HIDDEN = (("delay 1", "delay 0"), ("delay 1, one program", "delay 0, one program"))
 RATES = ("unthrottled", "100 Mbit/s")
 STEPS = 6 * SYNC_EVERY // FRAGMENTS + 1  # Six exchanges and step 1.
 FLAGS = ["--optimizer=diloco", "--average=fp32", f"--config.sync_every={SYNC_EVERY}",
@@ -85,8 +92,8 @@ def probe(launcher, work: pathlib.Path) -> dict:
 
 
 def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
-  """Probes, then trains with each delay at each rate; returns each run's costs and what was
-  hidden."""
+  """Probes, then trains each of :data:`RUNS` at each rate; returns each run's costs and what
+  was hidden."""
   report = {"flags": FLAGS, "steps": args.overlap_steps, "rates": {}}
   for rate in args.overlap_rates if launcher.namespace else ("unthrottled",):
     if launcher.namespace:
@@ -95,22 +102,25 @@ def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
     probed = probe(launcher, work / "diloco_overlap" / "probe" / rate.replace(" ", "_")
                    .replace("/", "_"))
     runs = {}
-    for delay in DELAYS:
+    for name, delay, on_host in RUNS:
       flags = [*FLAGS, f"--config.fragment_delay={delay}",
+               f"--config.diloco_events_on_host={on_host}",
                f"--config.num_train_steps={args.overlap_steps}", "--config.log_every_steps=1",
                f"--config.eval_every_steps={args.overlap_steps}", "--config.num_eval_batches=1",
                f"--config.batch_size={launcher.num_processes}",
                f"--config.diloco_workers={launcher.num_processes}"]
-      workdir = work / "diloco_overlap" / rate.replace(" ", "_").replace("/", "_") / str(delay)
-      log(f"diloco overlap: delay {delay} at {rate} ({args.overlap_steps} steps)")
+      workdir = (work / "diloco_overlap" / rate.replace(" ", "_").replace("/", "_")
+                 / name.replace(" ", "_").replace(",", ""))
+      log(f"diloco overlap: {name} at {rate} ({args.overlap_steps} steps)")
       _, _, records = network_lm.launch_example(launcher, network_lm.CONFIG, flags, workdir)
-      runs[delay] = costs(records, delay) | {"flags": flags}
+      runs[name] = costs(records, delay) | {"flags": flags}
     bits_per_second = rates[rate]
     wire = (None if bits_per_second is None
-            else runs[0]["wire_bytes_an_exchange"] * 8 / bits_per_second)
-    report["rates"][rate] = {"probe": probed, "delays": runs, "wire_seconds_an_exchange": wire,
-                             "hidden_seconds": (runs[0]["extra_seconds_a_round"]
-                                                - runs[1]["extra_seconds_a_round"])}
+            else runs["delay 0"]["wire_bytes_an_exchange"] * 8 / bits_per_second)
+    hidden = {name: runs[undelayed]["extra_seconds_a_round"] - runs[name]["extra_seconds_a_round"]
+              for name, undelayed in HIDDEN}
+    report["rates"][rate] = {"probe": probed, "runs": runs, "wire_seconds_an_exchange": wire,
+                             "hidden_seconds": hidden}
   return report
 
 
@@ -128,27 +138,32 @@ def table(report: dict) -> str:
       "", f"`examples/lm` on {network_lm.CONFIG}, a worker a process, Streaming DiLoCo: "
       f"{FRAGMENTS} fragments, H = {SYNC_EVERY}, float32 outer average, "
       f"{report['steps']} steps a run.", "",
-      "| rate | delay | plain step s | sync step s | exchange step s | outer loop's extra s a "
+      "| rate | run | plain step s | sync step s | exchange step s | outer loop's extra s a "
       "round | MB an exchange | its wire s |",
       "|---|---|---|---|---|---|---|---|",
   ]
   for rate, entry in report["rates"].items():
-    for delay, run_ in entry["delays"].items():
+    for name, run_ in entry["runs"].items():
       medians = run_["median_seconds"]
       wire = entry["wire_seconds_an_exchange"]
       lines.append(
-          f"| {rate} | {delay} | {medians['plain']:.3f} | {medians['sync']:.3f} "
+          f"| {rate} | {name} | {medians['plain']:.3f} | {medians['sync']:.3f} "
           f"| {_seconds(medians.get('exchange'))} "
           f"| {run_['extra_seconds_a_round']:.3f} | {run_['wire_bytes_an_exchange'] / 1e6:.2f} "
           f"| {_seconds(wire)} |")
-  lines += ["", "| rate | hidden s a round (delay 0's extra less delay 1's) |", "|---|---|"]
+  lines += ["", "| rate | run | hidden s a round (delay 0's extra less the run's, the same "
+            "kind of program) |",
+            "|---|---|---|"]
   for rate, entry in report["rates"].items():
-    lines.append(f"| {rate} | {entry['hidden_seconds']:+.3f} |")
+    for name, hidden in entry["hidden_seconds"].items():
+      lines.append(f"| {rate} | {name} | {hidden:+.3f} |")
   lines += [
       "", "A step's role by its place in the schedule: *sync* takes a fragment's outer gradient"
       " (with delay 0 also exchanges and merges it), *exchange* (delay 1) averages it and"
       " merges; every other step is *plain*. The extra seconds a round are the medians of the"
-      " sync and exchange steps less the plain steps' median, within the run."]
+      " sync and exchange steps less the plain steps' median, within the run. Each step's"
+      " program is chosen on the host (`qsgd_jax.diloco_events`) but in the runs named *one"
+      " program*, whose exchange is under `jax.lax.cond`."]
   return "\n".join(lines) + "\n"
 
 
