@@ -41,6 +41,12 @@ class DiLoCoEvents(NamedTuple):
     fragments: the number of fragments :math:`P` they were computed for.
     delay: the ``delay`` they were computed for. ``update`` checks all three
       against its own.
+
+  Examples:
+    >>> import qsgd_jax
+    >>> events = qsgd_jax.diloco_events(9, sync_every=10)  # The 10th step syncs.
+    >>> events.takes, hash(events) == hash(qsgd_jax.diloco_events(19, sync_every=10))
+    ((0,), True)
   """
 
   takes: tuple[int, ...]
