@@ -174,7 +174,8 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
     # Two rounds hold every kind of step (the first round's only fewer).
     kinds = {qsgd_jax.diloco_events(count, **schedule) for count in range(2 * config.sync_every)}
     compiled = {events: train_for(events).lower(state, batch).compile() for events in kinds}
-    return lambda count: compiled[qsgd_jax.diloco_events(count, **schedule)]
+    return (lambda count: compiled[qsgd_jax.diloco_events(count, **schedule)],
+            list(compiled.values()))
 
   evaluate = jax.jit(shard(functools.partial(eval_step, axis=axis), in_specs=(specs, P(axes)),
                            out_specs=P()))

@@ -332,9 +332,10 @@ class Mapped(NamedTuple):
     train_step: ``(state, batch) -> (state, metrics)``; donates ``state``.
     eval_step: ``(state, batch) -> sums``.
     put_batch: this process's numpy batch onto its devices.
-    compile_programs: ``(state, batch) -> (count -> step)``, where the host
-      chooses each step's program (DiLoCo's ``diloco_events_on_host``): the
-      compiled step to run after ``count`` steps, each a ``train_step`` for
+    compile_programs: ``(state, batch) -> (program_at, programs)``, where the
+      host chooses each step's program (DiLoCo's ``diloco_events_on_host``):
+      ``program_at(count)`` is the compiled step to run after ``count``
+      steps, one of the list ``programs``, each a ``train_step`` compiled for
       these arguments' shapes; ``None`` where ``train_step`` serves every step.
   """
 
@@ -511,6 +512,32 @@ def wire_bytes_from_hlo(compiled_step) -> dict[str, float]:
   return by_kind
 
 
+def hlo_wire_bytes(programs) -> tuple[dict[str, float], dict[str, Any]]:
+  """Bytes one device sends per step, read from the compiled programs of a step.
+
+  One program (every kind of step a branch of its conditionals), or one for
+  each kind of step, chosen on the host, which then count as the branches of
+  one conditional over them. Returns the bytes by kind of collective, every
+  branch added, and :func:`qsgd_jax.wire_bytes_by_branch`'s ``unconditional``,
+  ``conditionals``, ``least`` and ``most``.
+  """
+  by_kinds = [wire_bytes_from_hlo(program) for program in programs]
+  if len(programs) == 1:
+    by_branch = qsgd_jax.wire_bytes_by_branch(programs[0].as_text())
+    return by_kinds[0], {"unconditional": by_branch.unconditional,
+                         "conditionals": [list(c) for c in by_branch.conditionals],
+                         "least": by_branch.least, "most": by_branch.most}
+  kinds = set().union(*by_kinds)
+  by_kind = {}
+  for kind in kinds:
+    sent = [b.get(kind, 0.0) for b in by_kinds]
+    by_kind[kind] = min(sent) + sum(x - min(sent) for x in sent)
+  totals = [sum(b.values()) for b in by_kinds]
+  return by_kind, {"unconditional": min(totals), "conditionals": [[t - min(totals)
+                                                                    for t in totals]],
+                   "least": min(totals), "most": max(totals)}
+
+
 def checkpoint_manager(workdir: pathlib.Path, config):
   """Orbax's manager of ``workdir/checkpoints``, or a null context if checkpoints are off.
 
@@ -598,15 +625,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     batches = map(mapped.put_batch, input_pipeline.train_batches(config, first_step))
     batch = next(batches)
     start = time.perf_counter()
-    compiled_step = mapped.train_step.lower(state, batch).compile()
-    # pmap's compiled program takes global arrays: across processes, call pmap itself.
-    multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
-    train_step = mapped.train_step if multiprocess_pmap else compiled_step
-    # The bytes of the program that decides every step's kind (every kind a branch).
-    hlo_bytes = wire_bytes_from_hlo(compiled_step)
-    by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
-    program_at = (lambda count: train_step) if mapped.compile_programs is None else (
-        mapped.compile_programs(state, batch))
+    if mapped.compile_programs is None:
+      compiled_step = mapped.train_step.lower(state, batch).compile()
+      # pmap's compiled program takes global arrays: across processes, call pmap itself.
+      multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
+      train_step = mapped.train_step if multiprocess_pmap else compiled_step
+      compiled_programs = [compiled_step]
+      program_at = lambda count: train_step  # noqa: E731
+    else:
+      program_at, compiled_programs = mapped.compile_programs(state, batch)
+    hlo_bytes, by_branch = hlo_wire_bytes(compiled_programs)
     compile_seconds = time.perf_counter() - start
     # XLA's CPU collectives give up after a while: one step at a time there.
     block_every_step = jax.default_backend() == "cpu"
@@ -698,9 +726,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
-      "hlo_wire_bytes_by_branch": {"unconditional": by_branch.unconditional,
-                                   "conditionals": [list(c) for c in by_branch.conditionals],
-                                   "least": by_branch.least, "most": by_branch.most},
+      "hlo_wire_bytes_by_branch": by_branch,
       "tokens_per_second": ((num_steps - first_step) * tokens_per_step / train_seconds
                             if train_seconds else None),
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,

@@ -334,6 +334,9 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   assert 0 < sent[2] < summary["fp32_allreduce_bytes_per_step"] / 6
   assert summary["mean_wire_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
   assert summary["mean_inner_wire_bytes_per_step"] > 0  # The float32 average inside a worker.
+  # Its two programs, chosen on the host: a step sends the inner average, or that and the outer.
+  by_branch = summary["hlo_wire_bytes_by_branch"]
+  assert 0 < by_branch["least"] < by_branch["most"] == summary["hlo_wire_bytes_per_step"]
 
 
 def test_a_split_diloco_exchange_sends_a_quarter_across_workers(tmp_path):
