@@ -746,6 +746,9 @@ def _header(args, argv, denied: str | None) -> str:
       + (": XLA's temporary buffers on transparent huge pages." if _hugetlb() else
          ": XLA's temporary buffers faulted in 4 KiB at a time, every call."), "",
   ]
+  if os.environ.get("XLA_FLAGS"):
+    lines += [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r} in every process (its device count set to"
+              " one).", ""]
   if denied:
     lines.append(f"No network namespace: {denied}. Measuring unthrottled only, on the host's"
                  " loopback, without counting its bytes (other traffic shares it).")
@@ -786,6 +789,7 @@ def main(argv=None) -> None:
   report = {"command": _command(argv), "processes": args.processes, "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "namespace": None if denied else args.namespace, "no_namespace_because": denied}
   started = time.perf_counter()
   work = pathlib.Path(tempfile.mkdtemp(prefix="qsgd_jax_network_"))
