@@ -61,12 +61,12 @@ def _step(tx, events=None):
   return step
 
 
-def _programs(make_step):
-  """``make_step(events)``'s program for each step: one for all with ``events_of=None``, else
-  one for each distinct ``events_of(t)``, compiled once."""
+def _programs(make_step, events_of):
+  """A function of the step count ``t`` to ``make_step(events)``'s program: one for every step
+  with ``events_of=None``, else one for each distinct ``events_of(t)``, made once."""
   programs = {}
 
-  def program(t, events_of):
+  def program(t):
     events = None if events_of is None else events_of(t)
     if events not in programs:
       programs[events] = make_step(events)
@@ -101,14 +101,14 @@ def _run_shard_map(tx, targets, steps, events_of=None):
   program = _programs(lambda events: jax.jit(jax.shard_map(
       lambda p, s, c: (lambda out: (stacked(out[0]), out[1]))(
           _step(tx, events)(own(p), s, own(c))),
-      mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs))))
+      mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs))), events_of)
   put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(AXIS)))  # noqa: E731
   params = put(_stack(_params()))
   state = init(params)
   history = []
   for t in range(steps):
     params, state = jax.block_until_ready(
-        program(t, events_of)(params, state, put(jax.tree.unflatten(treedef, targets[t]))))
+        program(t)(params, state, put(jax.tree.unflatten(treedef, targets[t]))))
     history.append((params, state))
   return history
 

@@ -527,15 +527,15 @@ def hlo_wire_bytes(programs) -> tuple[dict[str, float], dict[str, Any]]:
     return by_kinds[0], {"unconditional": by_branch.unconditional,
                          "conditionals": [list(c) for c in by_branch.conditionals],
                          "least": by_branch.least, "most": by_branch.most}
-  kinds = set().union(*by_kinds)
-  by_kind = {}
-  for kind in kinds:
-    sent = [b.get(kind, 0.0) for b in by_kinds]
-    by_kind[kind] = min(sent) + sum(x - min(sent) for x in sent)
+  def every_branch_added(sent):  # What every program sends, and each one's more.
+    return min(sent) + sum(x - min(sent) for x in sent)
+
+  by_kind = {kind: every_branch_added([b.get(kind, 0.0) for b in by_kinds])
+             for kind in set().union(*by_kinds)}
   totals = [sum(b.values()) for b in by_kinds]
-  return by_kind, {"unconditional": min(totals), "conditionals": [[t - min(totals)
-                                                                    for t in totals]],
-                   "least": min(totals), "most": max(totals)}
+  least = min(totals)
+  return by_kind, {"unconditional": least, "conditionals": [[t - least for t in totals]],
+                   "least": least, "most": max(totals)}
 
 
 def checkpoint_manager(workdir: pathlib.Path, config):
