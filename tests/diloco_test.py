@@ -249,9 +249,10 @@ def test_stats_count_only_exchange_steps(compressed_run):
   assert all(b > 0 for b in bits[1::2])
   quiet = qsgd_jax.compression_stats(history[3][1])  # After step 2: nothing sent.
   assert float(quiet.float32_bits[0]) > 0 and float(quiet.compression_ratio[0]) == np.inf
-  # An exchange step sends what the fragment's average sent.
+  # An exchange step sends what the fragment's average sent, and the count of the workers
+  # whose outer gradient is finite: one float32 all-reduce.
   sent = qsgd_jax.compression_stats(history[2][1].average_states[0])
-  assert bits[1] == float(sent.wire_bits[0])
+  assert bits[1] == float(sent.wire_bits[0]) + 2 * (WORKERS - 1) / WORKERS * 32
 
 
 def test_host_round_trip_mid_round_continues_bit_identically(compressed_run):
@@ -309,27 +310,97 @@ def test_non_finite_guard_is_the_same_as_a_select_or_a_conditional(mapping, monk
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state.global_params)))
 
 
-def test_non_finite_outer_gradient_skips_the_round_everywhere():
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_device_whose_params_would_overflow_skips_that_step(delay):
+  """Device 0's inner update is finite but takes a parameter past float32's range on the
+  step before a sync (delay 0) or on the sync step (delay 1): it skips that step, and the
+  global parameters go on moving at every later sync."""
+  tx = diloco(optax.sgd(1.0), AXIS, sync_every=4, outer_optimizer=optax.sgd(1.0), delay=delay)
+  params = {"w": np.zeros((WORKERS, 16), np.float32)}
+  rng = np.random.default_rng(0)
+  grads = [{"w": rng.normal(size=(WORKERS, 16)).astype(np.float32)} for _ in range(12)]
+  overflows = 2 if delay == 0 else 3  # The step before the sync at step 3, or the sync.
+  grads[1]["w"][0, 0] = -3e38  # sgd(1.0): an update of +3e38, to 3e38 ...
+  grads[overflows]["w"][0, 0] = -3e38  # ... and another, finite, to past float32's range.
+  history = _pmap_grads_run(tx, grads, params)
+  before, after = history[overflows][0], history[overflows + 1][0]
+  np.testing.assert_array_equal(after["w"][0], before["w"][0])
+  global_params = [np.asarray(state.global_params["w"][0]) for _, state in history]
+  for t in (4 + delay, 8 + delay):  # Every round moves the global parameters.
+    assert np.all(np.isfinite(global_params[t]))
+    assert np.all(global_params[t][1:] != global_params[t - 1][1:]), t
+  assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(history[-1][0]))
+
+
+def test_a_worker_whose_state_went_non_finite_starts_afresh_at_the_merge():
+  """A NaN gradient on device 3 at a mini-step of accumulate_gradients puts a NaN in its
+  running mean: from the next merge on it trains again, from a fresh inner state."""
+  inner = qsgd_jax.accumulate_gradients(optax.sgd(0.1), every_k_steps=2)
+  tx = diloco(inner, AXIS, sync_every=4, outer_optimizer=optax.sgd(1.0))
+  params = {"w": np.zeros((WORKERS, 16), np.float32)}
+  rng = np.random.default_rng(0)
+  grads = [{"w": rng.normal(size=(WORKERS, 16)).astype(np.float32)} for _ in range(8)]
+  grads[0]["w"][3, 0] = np.nan
+  history = _pmap_grads_run(tx, grads, params)
+  merged_params, merged = history[4]  # After the sync at step 3: a finite, fresh state.
+  assert all(np.all(np.isfinite(np.asarray(x)[3])) for x in jax.tree.leaves(merged.inner_state))
+  np.testing.assert_array_equal(merged_params["w"][3], merged.global_params["w"][3])
+  later_params, later = history[8]
+  assert np.all(later_params["w"][3] != merged_params["w"][3])  # It steps again.
+  assert np.all(np.isfinite(later.global_params["w"]))
+  # Its outer gradient at the second sync is its own, not zero: the global step differs from
+  # the mean of the other seven workers' alone.
+  before_sync = np.asarray(history[7][0]["w"]) + np.asarray(
+      -0.1 * np.mean(np.stack([g["w"] for g in grads[6:8]]), axis=0))
+  others = np.delete(np.arange(WORKERS), 3)
+  assert not np.allclose(later.global_params["w"][0], before_sync[others].mean(axis=0))
+
+
+def test_a_non_finite_worker_is_left_out_of_the_average():
+  """Device 0's outer gradient overflows (global - local past float32's range): the round
+  averages the other seven workers, the stats count one skipped worker, and device 0 takes
+  the global parameters back at the merge and trains on with the others."""
+  tx = diloco(optax.sgd(1.0), AXIS, sync_every=2, outer_optimizer=optax.sgd(1.0))
+  params = {"w": np.zeros((WORKERS, 16), np.float32)}
+  rng = np.random.default_rng(0)
+  grads = [{"w": rng.normal(size=(WORKERS, 16)).astype(np.float32)} for _ in range(8)]
+  grads[0]["w"][:, 0] = 4e37  # The global coordinate goes to -4e37 at the first sync ...
+  grads[2]["w"][0, 0] = -1.6e38  # ... device 0's to 1.2e38, then 3.2e38: its outer
+  grads[3]["w"][0, 0] = -2e38  # gradient, -4e37 - 3.2e38, is -inf.
+  history = _pmap_grads_run(tx, grads, params)
+  skipped = [int(state.skipped_workers[0]) for _, state in history[1:]]
+  assert skipped == [0, 0, 0, 1, 0, 0, 0, 0]
+  local, state = history[4]
+  global_params = np.asarray(state.global_params["w"][0])
+  assert np.all(np.isfinite(global_params))
+  others = np.delete(np.arange(WORKERS), 0)
+  synced = np.asarray(history[2][1].global_params["w"][0])
+  moved = np.mean(-np.stack([g["w"][others] for g in grads[2:4]]).sum(axis=0), axis=0)
+  np.testing.assert_allclose(global_params[1:], (synced + moved)[1:], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(local["w"], np.broadcast_to(global_params, (WORKERS, 16)),
+                             rtol=1e-6, atol=1e-6)
+  final, _ = history[-1]
+  assert np.all(np.isfinite(final["w"]))
+  assert np.all(final["w"][0, 1:] != local["w"][0, 1:])  # Device 0 trains on.
+
+
+def test_the_round_is_skipped_everywhere_when_the_average_is_not_finite():
+  """Each worker's outer gradient is finite, 3e38, but their sum overflows: every device
+  keeps the global parameters, the outer state and the error feedback, and goes back to the
+  global parameters, as torchft restores them when a sync does not commit."""
   average = qsgd_jax.qsgd(AXIS, bits=4, error_feedback=True, min_compressed_size=8)
   tx = diloco(optax.sgd(1.0), AXIS, sync_every=2, average=average)
   params = {"w": np.zeros((WORKERS, 16), np.float32)}
-  rng = np.random.default_rng(0)
-  grads = [{"w": rng.normal(size=(WORKERS, 16)).astype(np.float32)} for _ in range(4)]
-  # Device 0 steps to 3e38, then past float32's largest: its outer gradient is -inf.
-  grads[2]["w"][0] = -3e38
-  grads[3]["w"][0] = -3e38
+  grads = [{"w": np.full((WORKERS, 16), 3e38, np.float32)},
+           {"w": np.zeros((WORKERS, 16), np.float32)}]
   history = _pmap_grads_run(tx, grads, params)
-  (_, synced), (final, skipped) = history[2], history[4]
-  assert np.all(np.isfinite(synced.global_params["w"]))
-  chex.assert_trees_all_equal(skipped.global_params, synced.global_params)
-  chex.assert_trees_all_equal(skipped.outer_states, synced.outer_states)
+  (_, initial), (final, skipped) = history[0], history[2]
+  assert np.all(np.asarray(skipped.skipped_workers) == 0)
+  chex.assert_trees_all_equal(skipped.global_params, initial.global_params)
+  chex.assert_trees_all_equal(skipped.outer_states, initial.outer_states)
   chex.assert_trees_all_equal(skipped.average_states[0].local_error,
-                              synced.average_states[0].local_error)
-  # Every device goes back to the global parameters, as torchft restores them (to the
-  # rounding of params + (global - params): device 0's params were 3e38).
-  np.testing.assert_allclose(final["w"][1:], np.asarray(skipped.global_params["w"][1:]),
-                             atol=1e-6)
-  assert np.all(np.isfinite(final["w"]))
+                              initial.average_states[0].local_error)
+  np.testing.assert_array_equal(final["w"], np.asarray(skipped.global_params["w"]))
 
 
 def test_default_partition_strides_top_level_modules():
@@ -562,11 +633,12 @@ def test_split_exchange_is_the_whole_exchange_with_a_quarter_of_the_bytes():
                          targets, steps)
   chex.assert_trees_all_equal(split[0], whole[0])
   chex.assert_trees_all_equal(split[1].global_params, whole[1].global_params)
-  # Its 15 elements: 4 of them a device (ceil(15 / 4)), not 15.
-  assert float(whole[1].stats.outer_wire_bits) == wire_bits(15)
-  assert float(split[1].stats.outer_wire_bits) == wire_bits(4)
+  # Its 15 elements: 4 of them a device (ceil(15 / 4)), not 15; and the count of the finite
+  # workers, one element.
+  assert float(whole[1].stats.outer_wire_bits) == wire_bits(15) + wire_bits(1)
+  assert float(split[1].stats.outer_wire_bits) == wire_bits(4) + wire_bits(1)
   # All the bits add the gather of the four parts inside the worker: 3 of them, 4 elements each.
-  assert float(split[1].stats.wire_bits) == wire_bits(4) + 3 * 4 * 32
+  assert float(split[1].stats.wire_bits) == wire_bits(4) + wire_bits(1) + 3 * 4 * 32
 
 
 def wire_bits(elements):
@@ -766,10 +838,11 @@ def test_events_of_another_schedule_raise():
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_step_that_does_not_sync_leaves_the_whole_model_alone(delay):
-  # The new local parameters and the outer gradient (params + update, global - local) are
-  # computed inside the branch of a fragment that syncs, and a non-finite inner step is
-  # skipped by a conditional: outside every conditional, nothing of a parameter's shape is
-  # added, subtracted or selected (the inner SGD only multiplies).
+  # The outer gradient (global - local) is computed inside the branch of a fragment that
+  # syncs, and a non-finite inner step is skipped by a conditional: outside every conditional,
+  # nothing of a parameter's shape is added, subtracted or selected (the inner SGD only
+  # multiplies), but for the check that params + update stay finite, whose sum goes only
+  # into a scalar reduction (XLA fuses it there: nothing of the model's size is written).
   params = _params()
   tx = diloco(optax.sgd(0.1), AXIS, sync_every=4, fragments=2, delay=delay)
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, params))
@@ -780,13 +853,24 @@ def test_a_step_that_does_not_sync_leaves_the_whole_model_alone(delay):
   def outside_conds(jaxpr):  # Into jit's jaxprs (jnp.where is one), not into a cond's.
     for eqn in jaxpr.eqns:
       if eqn.primitive.name != "cond":
-        yield eqn
+        yield jaxpr, eqn
         for inner in _inner_jaxprs(eqn.params):
           yield from outside_conds(inner)
 
-  whole_model = [eqn.primitive.name for eqn in outside_conds(jaxpr)
+  def consumers(jaxpr, var):
+    return [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+
+  def only_checked(jaxpr, eqn):  # add -> mul by zero -> a scalar reduce_sum, nothing else.
+    uses = consumers(jaxpr, eqn.outvars[0])
+    return eqn.primitive.name == "add" and uses and all(
+        use.primitive.name == "mul" and all(
+            last.primitive.name == "reduce_sum" and last.outvars[0].aval.shape == ()
+            for last in consumers(jaxpr, use.outvars[0])) for use in uses)
+
+  whole_model = [eqn.primitive.name for jaxpr, eqn in outside_conds(jaxpr)
                  if eqn.primitive.name in ("add", "sub", "select_n")
-                 and any(tuple(v.aval.shape) in shapes for v in eqn.outvars)]
+                 and any(tuple(v.aval.shape) in shapes for v in eqn.outvars)
+                 and not only_checked(jaxpr, eqn)]
   assert not whole_model
 
 

@@ -354,10 +354,11 @@ def test_a_split_diloco_exchange_sends_a_quarter_across_workers(tmp_path):
   (whole, whole_sent), (split, split_sent) = runs[False], runs[True]
   assert split["eval_loss"] == whole["eval_loss"]
   assert split["final_train_loss"] == whole["final_train_loss"]
-  # A quarter of the parameters (rounded up), in float32 between the two workers; the gather
-  # of the other three quarters inside the worker counts with the worker's own average.
-  assert split_sent[2] == 4 * math.ceil(whole["num_params"] / 4) and whole_sent[2] == 4 * (
-      whole["num_params"])
+  # A quarter of the parameters (rounded up), in float32 between the two workers, and the
+  # count of the finite workers (one float32); the gather of the other three quarters inside
+  # the worker counts with the worker's own average.
+  assert split_sent[2] == 4 * (math.ceil(whole["num_params"] / 4) + 1)
+  assert whole_sent[2] == 4 * (whole["num_params"] + 1)
   assert split["mean_inner_wire_bytes_per_step"] > whole["mean_inner_wire_bytes_per_step"]
 
 

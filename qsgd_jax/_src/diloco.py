@@ -2,6 +2,7 @@
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -33,6 +34,10 @@ class DiLoCoState(NamedTuple):
     stats: :class:`~qsgd_jax.CompressionStats` of the last step's outer
       exchange, per device: zero bits on a step that sent nothing (NaN
       before the first step).
+    skipped_workers: ``int32[]``, the workers whose outer gradient was not
+      finite and was left out of the last step's exchanges (summed over the
+      fragments it exchanged; zero on a step that exchanged nothing); the
+      same on every device.
     global_params: the global parameters (the outer optimizer's), a pytree
       like the params, the same on every device: the model to evaluate.
     outer_states: a tuple of ``P`` outer optimizer states, fragment ``p``'s
@@ -65,6 +70,7 @@ class DiLoCoState(NamedTuple):
 
   count: jax.Array
   stats: stats.CompressionStats
+  skipped_workers: jax.Array
   global_params: optax.Params
   outer_states: tuple
   inner_state: optax.OptState
@@ -153,14 +159,21 @@ def diloco(
   ``float32_bits`` is what a float32 all-reduce of all the gradients (data
   parallel) sends every step, so the sums' ratio is the saving.
 
-  Non-finite values: a device whose inner update is not finite skips its
-  step (its update zero, its inner state kept) and sends its unchanged
-  parameters at the next sync, so nothing non-finite reaches the global
-  parameters. A non-finite averaged outer gradient (it is the same on every
-  device) skips the round on every device together: the global parameters,
-  the outer optimizer's state and the average's state (error feedback) are
-  kept, and every device takes the fragment back to the global parameters,
-  as torchft restores them when a sync does not commit.
+  Non-finite values: a device whose inner update is not finite, or would take
+  a parameter past its dtype's range (no later update could bring it back),
+  skips its step: its update is zero and its inner state kept. A worker whose
+  outer gradient is not finite is left out of the round's average, taken over
+  the other workers (as torchft's quorum leaves out a failed replica), and
+  takes the global parameters back at the merge; ``state.skipped_workers``
+  counts the workers left out of the last step's exchanges. A device whose
+  inner state holds a non-finite float (a NaN gradient kept in
+  :func:`~qsgd_jax.accumulate_gradients`' running mean, say) starts afresh at
+  its next merge: ``inner.init`` of its merged parameters. A non-finite
+  averaged outer gradient (the same on every device: no worker finite, or the
+  sum overflowed) skips the round on every device together: the global
+  parameters, the outer optimizer's state and the average's state (error
+  feedback) are kept, and every device takes the fragment back to the global
+  parameters, as torchft restores them when a sync does not commit.
 
   Deciding on the host: by default whether a fragment syncs is a
   ``jax.lax.cond`` on the state's ``count`` (its branch holds the
@@ -335,6 +348,7 @@ def diloco(
     return DiLoCoState(
         count=jnp.zeros((), jnp.int32),
         stats=stats.empty(),
+        skipped_workers=jnp.zeros((), jnp.int32),
         global_params=global_params,
         outer_states=tuple(outer_optimizer.init(tuple(leaves[i] for i in m)) for m in members),
         inner_state=jax.tree.map(lambda x: x[None], inner.init(params)),
@@ -371,8 +385,10 @@ def diloco(
 
     inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
     inner_updates, new_inner_state = inner.update(updates, inner_state, params, **extra_args)
-    # A device whose inner step is not finite skips it.
-    finite = base.all_finite(inner_updates)
+    # A device whose inner step is not finite, or would take a parameter past its dtype's
+    # range, skips it: no update can bring a non-finite parameter back.
+    finite = base.all_finite(inner_updates) & base.all_finite(
+        jax.tree.map(_applied, params, inner_updates))
     stepped = (inner_updates, new_inner_state)
     kept = (jax.tree.map(jnp.zeros_like, inner_updates), inner_state)
     # Typed alike, and varying wherever the predicate does (as jnp.where's result would be).
@@ -388,7 +404,7 @@ def diloco(
     # syncs: computed there, inside the conditional's branch, a step that does not sync
     # neither adds nor subtracts the whole model.
     def local(i):
-      return (leaves[i] + steps[i]).astype(leaves[i].dtype)
+      return _applied(leaves[i], steps[i])
 
     def outer_gradient(member):
       return tuple(global_leaves[i].astype(jnp.float32) - local(i).astype(jnp.float32)
@@ -401,6 +417,8 @@ def diloco(
     outer_gradients = list(state.outer_gradients)
     averaged_gradients = list(state.averaged_gradients)
     wire_bits = outer_wire_bits = jnp.float32(0)
+    skipped_workers = jnp.int32(0)
+    merges = []
     step = state.count + 1
     exchange = functools.partial(diloco_exchange.exchange, average=average, parsed=parsed,
                                  size=size, split=split)
@@ -430,14 +448,15 @@ def diloco(
 
       if not delay:
         def sync(member=member, p=p, outer_step=outer_step):
-          averaged, average_state, bits = exchange(outer_gradient(member), average_states[p])
-          return outer_step(averaged), average_state, bits
+          averaged, average_state, sent = exchange(outer_gradient(member), average_states[p])
+          return outer_step(averaged), average_state, sent
 
         def no_sync(p=p, skip_merge=skip_merge):
-          return skip_merge(), average_states[p], (jnp.float32(0), jnp.float32(0))
+          return skip_merge(), average_states[p], diloco_exchange.nothing_sent()
 
-        result, average_states[p], bits = _cond(at(0), sync, no_sync)
+        result, average_states[p], sent = _cond(at(0), sync, no_sync)
         merged(result)
+        merges.append(at(0))
       else:
         # The exchange sends the outer gradient the state holds, not this step's store below
         # (a step never both stores and sends a fragment's: at(0) and at(1) exclude each
@@ -449,21 +468,31 @@ def diloco(
           return exchange(tuple(d[0] for d in held), average_states[p])
 
         def hold(p=p):
-          return (averaged_gradients[p], average_states[p], (jnp.float32(0), jnp.float32(0)))
+          return averaged_gradients[p], average_states[p], diloco_exchange.nothing_sent()
 
-        averaged_gradients[p], average_states[p], bits = _cond(at(1), send, hold)
+        averaged_gradients[p], average_states[p], sent = _cond(at(1), send, hold)
         outer_gradients[p] = _cond(
             at(0), lambda member=member: tuple(d[None] for d in outer_gradient(member)),
             lambda held=held: held)
         merged(_cond(at(delay), lambda p=p, outer_step=outer_step: outer_step(
             averaged_gradients[p]), skip_merge))
-      wire_bits += bits[0]
-      outer_wire_bits += bits[1]
+        merges.append(at(delay))
+      wire_bits += sent.wire_bits
+      outer_wire_bits += sent.outer_wire_bits
+      skipped_workers += sent.skipped_workers
+
+    # A device whose inner state is not finite (a step kept a NaN in it: a running mean of
+    # gradients, a moment) starts afresh at a merge, from its parameters after the merge.
+    new_inner_state = _cond(
+        functools.reduce(operator.or_, merges),
+        lambda: _restored_if_not_finite(inner, new_inner_state, params, treedef.unflatten(out)),
+        lambda: new_inner_state)
 
     float32_bits = wire.float32_allreduce_bits(sum(x.size for x in leaves), size)
     new_state = DiLoCoState(
         count=optax.safe_increment(state.count),
         stats=stats.make(wire_bits, float32_bits, jnp.nan, outer_wire_bits, float32_bits),
+        skipped_workers=skipped_workers,
         global_params=treedef.unflatten(global_leaves),
         outer_states=tuple(outer_states),
         inner_state=jax.tree.map(lambda x: x[None], new_inner_state),
@@ -490,12 +519,30 @@ def _outer_step(averaged, global_leaves, local, params, outer_state, outer_optim
   finite = base.all_finite(averaged)
   new_global = diloco_exchange.select(finite, new_global, global_leaves)
   new_outer_state = diloco_exchange.select(finite, new_outer_state, outer_state)
+  # A device whose fragment is not finite (it was left out of the average) takes the global
+  # one whatever alpha.
+  keeps_local = finite & base.all_finite(local)
   updates = []
   for g, x, theta in zip(new_global, local, params, strict=True):
     # torchft's merge: p.lerp_(local, alpha), the global value plus alpha of the way to local.
-    target = jnp.where(finite, (g + alpha * (x - g)).astype(x.dtype) if alpha else g, g)
+    target = jnp.where(keeps_local, (g + alpha * (x - g)).astype(x.dtype), g) if alpha else g
     updates.append(axes.as_varying((target - theta).astype(theta.dtype), parsed.name))
   return updates, list(new_global), new_outer_state
+
+
+def _applied(param, update):
+  """``param`` after ``update``, as ``optax.apply_updates`` takes it: in the param's dtype."""
+  return (param + update).astype(jnp.result_type(param))
+
+
+def _restored_if_not_finite(inner, inner_state, params, updates):
+  """``inner_state``, or where a float leaf of it is not finite (its stats aside), a fresh one:
+  ``inner.init`` of the params after ``updates``."""
+  checked = jax.tree.map(lambda node: None if stats.is_stats(node) else node, inner_state,
+                         is_leaf=stats.is_stats)
+  fresh = inner.init(jax.tree.map(_applied, params, updates))
+  fresh, inner_state = axes.varying_like(fresh, inner_state), axes.varying_like(inner_state, fresh)
+  return diloco_exchange.select(base.all_finite(checked), inner_state, fresh)
 
 
 def _cond(predicate, true_fn, false_fn):

@@ -41,6 +41,27 @@ class SplitAverageState(NamedTuple):
   state: optax.OptState
 
 
+class Sent(NamedTuple):
+  """What one fragment's exchange sent, and whom it left out.
+
+  Attributes:
+    wire_bits: ``float32[]``, the bits this device sent.
+    outer_wire_bits: ``float32[]``, the part of them that crossed between
+      workers.
+    skipped_workers: ``int32[]``, the workers whose outer gradient was not
+      finite and did not enter the average.
+  """
+
+  wire_bits: jax.Array
+  outer_wire_bits: jax.Array
+  skipped_workers: jax.Array
+
+
+def nothing_sent() -> Sent:
+  """What a step without an exchange sent: nothing."""
+  return Sent(jnp.float32(0), jnp.float32(0), jnp.int32(0))
+
+
 def init_average(average, zeros, split: axes.Axes | None):
   """``average``'s state for a fragment of float32 leaves ``zeros``: of the whole fragment,
   or with ``split``, of this device's part (a :class:`SplitAverageState`)."""
@@ -92,9 +113,26 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
       index ``i`` along ``split``) over the workers, and the worker's devices
       all-gather the parts back into the whole.
 
-  A non-finite average (the same on every device) keeps the average's state,
-  its error feedback, on every device, so that a skipped round loses nothing.
+  A worker whose outer gradient is not finite sends zeros and is left out:
+  the average is taken over the other workers, as a quorum leaves out a
+  failed replica (the number of them comes from one scalar all-reduce). A
+  compressed ``average`` with error feedback still sends such a worker's
+  residual, counted as the others' (scaled by ``n / (n - left out)``). A
+  non-finite average (the same on every device: every worker was left out,
+  or the sum overflowed) keeps the average's state, its error feedback, on
+  every device, so that a skipped round loses nothing.
+
+  Returns:
+    The averaged outer gradient, a tuple like ``delta``; the average's new
+    state; and a :class:`Sent`.
   """
+  own_finite = base.all_finite(delta)
+  delta = tuple(jnp.where(own_finite, d, 0.0) for d in delta)
+  finite_workers = own_finite.astype(jnp.float32)
+  count_bits = jnp.float32(0)
+  if not parsed.is_local:
+    finite_workers = jax.lax.psum(finite_workers, parsed.name)
+    count_bits = jnp.float32(wire.float32_allreduce_bits(1, size))
   if split is None:
     averaged, new_state, bits = _average(delta, average_state, average, parsed, size)
   else:
@@ -115,8 +153,12 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
     # The gather runs over the fast links inside the worker: counted in all the bits only.
     gathered = 8 * wire.bytes_sent("all-gather", 4 * count * length, count)
     bits = (total + gathered, outer)
+  # size / size is 1 exactly: with every worker finite the average is as it was.
+  scale = jnp.where(finite_workers > 0, size / finite_workers, jnp.nan)
+  averaged = tuple(a * scale for a in averaged)
   new_state = select(base.all_finite(averaged), new_state, average_state)
-  return averaged, new_state, bits
+  skipped = (size - finite_workers).astype(jnp.int32)
+  return averaged, new_state, Sent(bits[0] + count_bits, bits[1] + count_bits, skipped)
 
 
 def _average(delta, average_state, average, parsed: axes.Axes, size: int):
