@@ -85,7 +85,8 @@ sys.path.insert(0, str(_ROOT))
 
 import qsgd_jax  # noqa: E402
 from examples.lm import models  # noqa: E402
-from qsgd_jax._src import packing, pallas_kernels, sign_exchange  # noqa: E402
+from qsgd_jax._src.adam import sign_exchange  # noqa: E402
+from qsgd_jax._src.compressors import packing, pallas_kernels  # noqa: E402
 
 AXIS = "batch"
 COMPRESSORS = {

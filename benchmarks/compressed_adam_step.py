@@ -57,7 +57,7 @@ def main(argv=None) -> None:
   import qsgd_jax
   from examples.lm import train
   from examples.lm.configs import network
-  from qsgd_jax._src import sign_exchange
+  from qsgd_jax._src.adam import sign_exchange
 
   n = args.devices
   params = train.initialized(jax.random.key(0), train.create_model(network.get_config()))

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 import qsgd_jax
-from qsgd_jax._src import rounding
+from qsgd_jax._src.compressors import rounding
 
 COMPRESSORS = {
     "qsgd_4bit_bucket512_max": qsgd_jax.QSGD(bits=4, bucket_size=512, norm="max"),

@@ -77,7 +77,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import qsgd_jax  # noqa: E402
-from qsgd_jax._src import plan as plan_lib  # noqa: E402
+from qsgd_jax._src.collectives import plan as plan_lib  # noqa: E402
 
 NUM_DEVICES = 8
 LAYER_SIZES = (784, 1024, 1024, 1024, 1024, 1024, 1024, 8)

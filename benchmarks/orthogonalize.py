@@ -28,7 +28,7 @@ import numpy as np
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-from qsgd_jax._src import low_rank  # noqa: E402
+from qsgd_jax._src.powersgd import low_rank  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("benchmarks_accelerator",
                                                _ROOT / "benchmarks" / "accelerator.py")

@@ -36,8 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import qsgd_jax  # noqa: E402
-from qsgd_jax._src import plan as plan_lib  # noqa: E402
 from qsgd_jax._src import wire  # noqa: E402
+from qsgd_jax._src.collectives import plan as plan_lib  # noqa: E402
 
 AXIS = "batch"
 COMPRESSORS = {"QSGD 4-bit": qsgd_jax.QSGD(bits=4), "QSGD 8-bit": qsgd_jax.QSGD(bits=8),

@@ -80,8 +80,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from collectives import resnet50_shapes  # noqa: E402
 
 import qsgd_jax  # noqa: E402
-from qsgd_jax._src import axes, exchange, layout, serialize  # noqa: E402
-from qsgd_jax._src import plan as plan_lib  # noqa: E402
+from qsgd_jax._src import axes, serialize  # noqa: E402
+from qsgd_jax._src.collectives import exchange, layout  # noqa: E402
+from qsgd_jax._src.collectives import plan as plan_lib  # noqa: E402
 
 AXIS = "batch"
 COMPRESSOR = qsgd_jax.QSGD(bits=4)

@@ -21,57 +21,59 @@ which resumes per-device state on another number of devices.
 
 from qsgd_jax import elias, resize
 from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
-from qsgd_jax._src.axes import as_varying
-from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
-from qsgd_jax._src.baselines import Cast, Identity
-from qsgd_jax._src.collectives import quantized_pmean, quantized_psum, quantized_psum_scatter
-from qsgd_jax._src.data_parallel import DataParallel, data_parallel
-from qsgd_jax._src.decentralized import (
+from qsgd_jax._src.adam.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
+from qsgd_jax._src.adam.zero_one_adam import ZeroOneAdamState, zero_one_adam
+from qsgd_jax._src.averaging.allreduce import (
+    CompressedAllReduceState,
+    compressed_allreduce,
+    onebit_sgd,
+    qsgd,
+)
+from qsgd_jax._src.averaging.decentralized import (
     LowPrecisionDecentralizedState,
     averaged_params,
     consensus_distance,
     low_precision_decentralized,
 )
-from qsgd_jax._src.diloco import DiLoCoState, diloco
-from qsgd_jax._src.diloco_exchange import SplitAverageState
-from qsgd_jax._src.diloco_schedule import DiLoCoEvents, diloco_events
+from qsgd_jax._src.axes import as_varying
+from qsgd_jax._src.base import Compressor, Payload, SharedScaleCompressor
+from qsgd_jax._src.collectives.gather import quantized_all_gather
+from qsgd_jax._src.collectives.psum import quantized_pmean, quantized_psum, quantized_psum_scatter
+from qsgd_jax._src.compressors.baselines import Cast, Identity
+from qsgd_jax._src.compressors.minmax import MinMax
+from qsgd_jax._src.compressors.nearest_abs_max import NearestAbsMax
+from qsgd_jax._src.compressors.onebit import OneBit
+from qsgd_jax._src.compressors.qsgd import QSGD, EliasSize
+from qsgd_jax._src.compressors.zero_aligned_minmax import NearestZeroAlignedMinMax
+from qsgd_jax._src.diloco.exchange import SplitAverageState
+from qsgd_jax._src.diloco.schedule import DiLoCoEvents, diloco_events
+from qsgd_jax._src.diloco.transform import DiLoCoState, diloco
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
-from qsgd_jax._src.fsdp import fsdp_gather, fsdp_remat_policy
-from qsgd_jax._src.fsdp_onebit import (
+from qsgd_jax._src.fsdp.gather import fsdp_gather, fsdp_remat_policy
+from qsgd_jax._src.fsdp.onebit import (
     FSDPOneBitAdamState,
     fsdp_onebit_adam,
     fsdp_onebit_error,
     fsdp_onebit_gather,
     scale_by_fsdp_onebit_adam,
 )
-from qsgd_jax._src.fsdp_onebit_state import (
+from qsgd_jax._src.fsdp.onebit_state import (
     FSDPOneBitErrorState,
     fsdp_onebit_step_inputs,
     keep_fsdp_onebit_error,
 )
-from qsgd_jax._src.fsdp_shards import FlatShard, fsdp_shard
-from qsgd_jax._src.gather import quantized_all_gather
-from qsgd_jax._src.low_rank import attention_matrix_view
-from qsgd_jax._src.minmax import MinMax
-from qsgd_jax._src.nearest_abs_max import NearestAbsMax
-from qsgd_jax._src.onebit import OneBit
-from qsgd_jax._src.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
-from qsgd_jax._src.powersgd import PowerSGDState, powersgd
-from qsgd_jax._src.qsgd import QSGD, EliasSize
-from qsgd_jax._src.resize import resize_state
-from qsgd_jax._src.sharding import state_partition_specs
+from qsgd_jax._src.fsdp.shards import FlatShard, fsdp_shard
+from qsgd_jax._src.powersgd.low_rank import attention_matrix_view
+from qsgd_jax._src.powersgd.transform import PowerSGDState, powersgd
 from qsgd_jax._src.stats import (
     CompressionStats,
     RunStats,
     accumulate_stats,
     compression_stats,
 )
-from qsgd_jax._src.transforms import (
-    CompressedAllReduceState,
-    compressed_allreduce,
-    onebit_sgd,
-    qsgd,
-)
+from qsgd_jax._src.training.data_parallel import DataParallel, data_parallel
+from qsgd_jax._src.training.partition_specs import state_partition_specs
+from qsgd_jax._src.training.resize import resize_state
 from qsgd_jax._src.wire import (
     BranchWireBytes,
     Collective,
@@ -79,8 +81,6 @@ from qsgd_jax._src.wire import (
     wire_bytes,
     wire_bytes_by_branch,
 )
-from qsgd_jax._src.zero_aligned_minmax import NearestZeroAlignedMinMax
-from qsgd_jax._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ Section 3.2), for size accounting and as a real codec; the collectives in
 this library keep their fixed-width packed wire format.
 """
 
-from qsgd_jax._src.elias import (
+from qsgd_jax._src.compressors.elias import (
     capacity_words,
     decode,
     encode,

@@ -30,6 +30,14 @@ leaves ``[m, ...]`` shaped like the target's. The rules:
   from worker 0's model).
 """
 
-from qsgd_jax._src.resize import Rule, first_device, mean, pieces, register, resize_state, row
+from qsgd_jax._src.training.resize import (
+    Rule,
+    first_device,
+    mean,
+    pieces,
+    register,
+    resize_state,
+    row,
+)
 
 __all__ = ("Rule", "first_device", "mean", "pieces", "register", "resize_state", "row")

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import plan, reduction
+from qsgd_jax._src.collectives import plan, reduction
 
 AXIS = "batch"
 NUM_DEVICES = 8

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import compressed_adam, sign_exchange
+from qsgd_jax._src.adam import common as compressed_adam
+from qsgd_jax._src.adam import sign_exchange
 
 N = 8
 AXIS = "batch"

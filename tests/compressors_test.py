@@ -20,7 +20,7 @@ import pytest
 import references
 
 import qsgd_jax
-from qsgd_jax._src import baselines, minmax, onebit, packing, qsgd, zero_aligned_minmax
+from qsgd_jax._src.compressors import baselines, minmax, onebit, packing, qsgd, zero_aligned_minmax
 
 NUM_KEYS = 4096
 KEYS = jax.random.split(jax.random.key(0), NUM_KEYS)

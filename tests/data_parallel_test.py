@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import data_parallel as data_parallel_module
+from qsgd_jax._src.training import data_parallel as data_parallel_module
 
 AXIS = "batch"
 NUM_DEVICES = 8

@@ -23,7 +23,7 @@ from qsgd_jax import (
   consensus_distance,
   low_precision_decentralized,
 )
-from qsgd_jax._src import decentralized
+from qsgd_jax._src.averaging import decentralized
 
 AXIS = "workers"
 NUM_WORKERS = 8

@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from qsgd_jax import DiLoCoState, diloco
-from qsgd_jax._src import diloco as diloco_module
-from qsgd_jax._src import diloco_exchange, diloco_fragments
+from qsgd_jax._src.diloco import exchange as diloco_exchange
+from qsgd_jax._src.diloco import partition
+from qsgd_jax._src.diloco import transform as diloco_module
 
 AXIS = "workers"
 WORKERS = 8
@@ -429,13 +430,13 @@ def test_default_partition_puts_other_modules_where_fewest_coordinates_are():
   # layer; 1) to 0: 35 and 35 coordinates, where striding every module gave 38 and 32.
   ids = dict(zip(sorted(params["params"]), jax.tree.leaves(
       jax.tree.unflatten(jax.tree.structure(params),
-                         diloco_fragments.strided(params, 2))), strict=True))
+                         partition.strided(params, 2))), strict=True))
   assert ids == {"Dense_0": 0, "block_0": 0, "block_1": 1, "block_2": 0, "embedding": 1,
                  "head": 0, "norm": 0}
   # Modules of no coordinates still leave no fragment empty.
   empty = {"a": np.zeros(5, np.float32), "b": np.zeros(0, np.float32),
            "c": np.zeros(0, np.float32)}
-  assert diloco_fragments.strided(empty, 3) == (0, 1, 2)
+  assert partition.strided(empty, 3) == (0, 1, 2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -14,7 +14,7 @@ import pytest
 
 import qsgd_jax
 from qsgd_jax import elias
-from qsgd_jax._src import elias as elias_module
+from qsgd_jax._src.compressors import elias as elias_module
 
 # The Elias omega table of the QSGD paper notes.
 _TABLE = {

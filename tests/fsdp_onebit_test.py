@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import fsdp_onebit
+from qsgd_jax._src.fsdp import onebit as fsdp_onebit
 
 AXIS = "batch"
 N = 8

@@ -20,10 +20,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import fsdp as fsdp_module
-from qsgd_jax._src import fsdp_shards, nearest_abs_max
-from qsgd_jax._src import gather as gather_module
-from qsgd_jax._src import plan as plan_lib
+from qsgd_jax._src.collectives import gather as gather_module
+from qsgd_jax._src.collectives import plan as plan_lib
+from qsgd_jax._src.compressors import nearest_abs_max
+from qsgd_jax._src.fsdp import gather as fsdp_module
+from qsgd_jax._src.fsdp import shards as fsdp_shards
 
 AXIS = "batch"
 NUM_DEVICES = 8

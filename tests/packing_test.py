@@ -16,7 +16,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qsgd_jax._src import packing
+from qsgd_jax._src.compressors import packing
 
 # Three full groups of 32 codes and a partial fourth: whole words, a partial
 # last word, and (for widths that do not divide 32) codes spanning two words.

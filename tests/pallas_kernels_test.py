@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import packing, pallas_kernels, sign_exchange
+from qsgd_jax._src.adam import sign_exchange
+from qsgd_jax._src.compressors import packing, pallas_kernels
 
 
 def _bits(x):

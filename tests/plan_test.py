@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import exchange, layout, reduction
-from qsgd_jax._src import plan as plan_lib
+from qsgd_jax._src.collectives import exchange, layout, reduction
+from qsgd_jax._src.collectives import plan as plan_lib
 
 KEY = jax.random.key(0)
 # Two leaves of one shape (one stacked block when buckets are not fixed), odd

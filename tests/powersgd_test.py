@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import low_rank
-from qsgd_jax._src import powersgd as powersgd_module
+from qsgd_jax._src.powersgd import low_rank
+from qsgd_jax._src.powersgd import transform as powersgd_module
 
 AXIS = "batch"
 NUM_WORKERS = 4

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src import plan as plan_lib
+from qsgd_jax._src.collectives import plan as plan_lib
 
 AXIS = "batch"
 NUM_DEVICES = 8

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qsgd_jax._src import rounding
+from qsgd_jax._src.compressors import rounding
 
 GRID = 2**24
 NUM_DRAWS = 2**20

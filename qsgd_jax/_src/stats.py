@@ -7,9 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qsgd_jax._src.plan import ReductionPlan
-from qsgd_jax._src.reduction import Reduction
-
 
 class CompressionStats(NamedTuple):
   """What one step of a compressed all-reduce or exchange put on the wire, per device.
@@ -225,32 +222,3 @@ def make(wire_bits, full_bits, elias_bits, outer_wire_bits=None,
 def empty() -> CompressionStats:
   """Stats before any step: every field NaN."""
   return make(jnp.nan, jnp.nan, jnp.nan)
-
-
-def elias_wire_bits(plan: ReductionPlan, sent: Reduction) -> jax.Array:
-  """Bits this device sent in ``plan``, were every payload Elias-coded.
-
-  Each collective that carries QSGD payloads (the two-phase all-to-all and
-  all-gather, the all-gather method's all-gather) counts ``bytes_sent``
-  scaled by the Elias size of the payloads it carried over their
-  fixed-width size: this device's pieces for the all-to-all, every device's
-  payloads for an all-gather. Every other collective (float32 leaves, inner
-  axes) counts as it is.
-
-  Args:
-    plan: a plan for a :class:`~qsgd_jax.QSGD` compressor.
-    sent: what :func:`~qsgd_jax._src.reduction.reduce` returned for it.
-
-  Returns:
-    A float32 scalar, this device's own estimate.
-  """
-  elias_bits = jax.vmap(jax.vmap(plan.compressor.elias_bits))
-  total = jnp.float32(0)
-  for collective in plan.collectives:
-    bits = 8 * collective.bytes_sent
-    if collective.carries in sent.payloads:
-      coded = sum(jnp.sum(elias_bits(p).smaller)
-                  for p in sent.payloads[collective.carries])
-      bits = bits * coded / (8 * collective.result_bytes)
-    total += bits
-  return total

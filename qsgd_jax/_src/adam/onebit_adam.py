@@ -1,0 +1,420 @@
+"""1-bit Adam (Tang et al. 2021), as DeepSpeed's ``OnebitAdam`` runs it, for optax."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qsgd_jax._src import axes as axes_lib
+from qsgd_jax._src import base, stats, wire
+from qsgd_jax._src.adam import common, sign_exchange
+
+# Skipped steps never run out: a non-finite step is always skipped, on every device together.
+_ALWAYS_SKIP = 2**31 - 1
+
+
+class ScaleByOneBitAdamState(NamedTuple):
+  """State of :func:`scale_by_onebit_adam`.
+
+  Attributes:
+    count: ``int32[]``, updates taken (a skipped non-finite step does not count).
+    mu: the first moment, like the parameters (``mu_dtype``); the same on
+      every device.
+    nu: the second moment, like the parameters; the same on every device, and
+      no longer updated for the compressed leaves once the variance is frozen.
+    worker_error: ``float32[n, width]``, this device's worker error of the
+      1-bit exchange (``n`` devices on the compressed axis; ``width`` one
+      chunk of every compressed leaf, see ``qsgd_jax/_src/sign_exchange.py``); ``()`` when
+      no leaf is compressed.
+    server_error: ``float32[width]``, this device's server error (likewise).
+    freeze_count: ``int32[]``, the count from which the variance is frozen:
+      ``freeze_step``, or with ``"auto"`` the count it chose (``2**31 - 1``
+      until then).
+    variance_history: ``float32[window, leaves]`` with ``"auto"``: the last
+      ``||v_i||_1`` of each compressed leaf, which the rule reads (``()``
+      otherwise).
+    stats: the last step's :class:`~qsgd_jax.CompressionStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.scale_by_onebit_adam("batch", freeze_step=100)
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> int(state.count[0]), int(state.freeze_count[0])
+    (0, 100)
+  """
+
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  worker_error: jax.Array | tuple[()]
+  server_error: jax.Array | tuple[()]
+  freeze_count: jax.Array
+  variance_history: jax.Array | tuple[()]
+  stats: stats.CompressionStats
+
+
+def scale_by_onebit_adam(
+    axis_name: axes_lib.AxisName,
+    *,
+    freeze_step: common.FreezeStep,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    bias_correction: bool = True,
+    mu_dtype=None,
+    min_compressed_size: int = common.DEFAULT_MIN_COMPRESSED_SIZE,
+    compression_mask=None,
+    axis_size: int | dict[str, int] | None = None,
+    auto_freeze_window: int = 20,
+    auto_freeze_tolerance: float = 0.025,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam's scaling of each device's local gradients, averaged as DeepSpeed's 1-bit Adam does.
+
+  The core of :func:`onebit_adam`: it takes each device's own gradients and
+  returns the Adam direction :math:`\hat m / (\sqrt{\hat v} + \epsilon)`, the
+  same on every device, doing the communication itself. Two stages, switched
+  by ``jax.lax.cond`` on the step count (the same on every device, so one
+  compiled step serves both):
+
+  * **Warm-up**, the first ``freeze_step`` updates: Adam on the float32 mean
+    gradient :math:`\bar g` (one ``jax.lax.pmean``):
+    :math:`m \leftarrow \beta_1 m + (1 - \beta_1) \bar g`,
+    :math:`v \leftarrow \beta_2 v + (1 - \beta_2) \bar g^2`.
+  * **Compression**: the variance of the compressed leaves is frozen; each
+    device folds its own gradient into the momentum,
+    :math:`m_k = \beta_1 m + (1 - \beta_1) g_k`, and the devices average the
+    :math:`m_k` by DeepSpeed's two-round 1-bit exchange with worker and server
+    error feedback (one scale :math:`\|x\|_2 / \sqrt{d}` a tensor and one
+    sign bit an element each way, about 32x fewer bytes than float32; see
+    ``sign_exchange.py``): :math:`m \leftarrow \mathrm{exchange}(m_k)`.
+
+  Compression error dominates a variance estimated from compressed gradients,
+  which is why 1-bit SGD chained before Adam fails; a variance frozen after a
+  float32 warm-up is a fixed preconditioner, and the momentum, which is linear
+  in the gradients, takes the error feedback well (Tang et al. 2021).
+
+  After the freeze, a coordinate of a compressed leaf whose frozen variance
+  is exactly zero (its mean gradient was zero through the whole warm-up: an
+  embedding row whose token never came, padding, a dead unit) keeps a zero
+  momentum, and so a zero Adam direction, as AdamW gives it: the 1-bit
+  exchange cannot send a zero, and :math:`m / \epsilon` would move it by
+  about :math:`10^8` times its tensor's scale a step. DeepSpeed leaves that
+  to a mask the user gives (``exp_avg_mask``); here it is read from the
+  variance. Such a coordinate stays where the warm-up left it, even if its
+  gradient appears later: give it a warm-up long enough to see it, or keep
+  its leaf on the float32 path with ``compression_mask``.
+
+  Leaves under ``min_compressed_size`` elements, and those
+  ``compression_mask`` excludes, are averaged in float32 throughout and keep
+  plain Adam, variance included (DeepSpeed's ``non_freeze`` parameter
+  groups). Leaves that are not float are not optimized: their update is zero.
+
+  With ``bias_correction=False`` the numbers are DeepSpeed's, which never
+  bias-corrects; with ``True`` (the default) the warm-up is exactly
+  ``optax.scale_by_adam`` on the mean gradient, and after the freeze
+  :math:`\hat m = m / (1 - \beta_1^t)` and
+  :math:`\hat v = v / (1 - \beta_2^{t_f})`, :math:`t_f` the freeze count.
+  DeepSpeed's first ``step`` only sets up its buffers, discarding that
+  gradient, and so warms up ``freeze_step - 1`` updates; here the first
+  update learns, and ``freeze_step`` updates warm up.
+
+  ``freeze_step="auto"`` freezes the variance once it has stopped moving:
+  after the first update at which, over the last ``auto_freeze_window``
+  updates, each compressed leaf's share of the variance,
+  :math:`\|v_i\|_1 / \sum_j \|v_j\|_1`, has moved by at most
+  ``auto_freeze_tolerance`` in total variation between the older and the
+  newer half of the window (shares: unmoved by gradient clipping or the
+  learning rate's schedule, which hold the variance's norm still early on;
+  with one compressed leaf, the relative drift of its norm). Every device
+  holds the same variance, so every device decides alike;
+  :attr:`ScaleByOneBitAdamState.freeze_count` reports the count chosen.
+
+  A NaN or inf in any device's gradient makes every device's updates NaN
+  and leaves the state as it was; :func:`onebit_adam` wraps the rest of its
+  chain in ``optax.apply_if_finite``, which then skips the step on every
+  device together. Do not wrap this transform in ``optax.apply_if_finite``:
+  that tests each device's own gradient before the exchange, devices that
+  disagree take different branches around its collectives, and they hang.
+
+  Under ``jax.shard_map`` the error buffers differ per device and the rest is
+  replicated: :func:`~qsgd_jax.state_partition_specs` gives the layout, and
+  :func:`~qsgd_jax.data_parallel` uses it.
+
+  Args:
+    axis_name: the mapped axis to average over, or ``(outer, inner, ...)``:
+      the inner axes (fast links) are averaged in float32 first, and only the
+      outer axis is crossed by the 1-bit exchange.
+    freeze_step: float32 warm-up updates before the variance is frozen, or
+      ``"auto"``. DeepSpeed's tutorial suggests 15-25% of training.
+    b1, b2, eps: Adam's, as in ``optax.scale_by_adam``.
+    bias_correction: whether to correct the moments' initialization bias.
+    mu_dtype: the first moment's dtype (``None``: the parameters').
+    min_compressed_size: float leaves with fewer elements take the float32
+      path; ``0`` compresses every float leaf, as DeepSpeed does.
+    compression_mask: a pytree of bools like the parameters (or a callable
+      returning one): ``False`` leaves take the float32 path.
+    axis_size: the outer axis's size, for an ``init`` outside the mapped
+      function (the error buffers' shapes depend on it).
+    auto_freeze_window, auto_freeze_tolerance: the ``"auto"`` rule's window
+      (updates, at least 2) and the drift of the shares it accepts.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = optax.chain(qsgd_jax.scale_by_onebit_adam("batch", freeze_step=100),
+    ...                  optax.scale_by_learning_rate(1e-3))
+    >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
+    >>> updates, state = jax.pmap(tx.update, axis_name="batch")(jnp.ones((n, 8192)), state)
+    >>> bool(jnp.allclose(updates, -1e-3))
+    True
+
+  References:
+    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training
+    with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML
+    2021.
+  """
+  owner = "qsgd_jax.scale_by_onebit_adam"
+  common.check_options(owner, b1=b1, b2=b2, eps=eps, min_compressed_size=min_compressed_size)
+  common.check_freeze_step(owner, "freeze_step", freeze_step)
+  common.check_axis_size(owner, axis_size)
+  axes = axes_lib.parse(axis_name, owner)
+  auto = common.auto_freeze(owner, freeze_step, auto_freeze_window, auto_freeze_tolerance)
+
+  def init_fn(params):
+    leaves = common.leaves_of(params, min_compressed_size, compression_mask)
+    sizes = common.mapped_sizes(axes, axis_size, owner)
+    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    worker_error, server_error = common.initial_errors(layout, axes)
+    return ScaleByOneBitAdamState(
+        count=jnp.zeros((), jnp.int32),
+        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+        nu=common.variance_zeros(params),
+        worker_error=worker_error,
+        server_error=server_error,
+        freeze_count=common.initial_freeze_count(freeze_step),
+        variance_history=auto.initial(len(leaves.compressed)) if auto else (),
+        stats=stats.empty(),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    axes_lib.check_not_in_apply_if_finite(
+        owner, axis_name, "qsgd_jax.onebit_adam already skips a non-finite step on every "
+        "device together; around this core, put optax.apply_if_finite after it in the chain, "
+        "as onebit_adam does.")
+    if not isinstance(state, ScaleByOneBitAdamState):
+      raise TypeError(
+          f"{owner}: the state is a {type(state).__name__}, not a ScaleByOneBitAdamState: "
+          "pass the state this optimizer's init returned.")
+    common.check_tree(owner, updates, params, state.mu)
+    leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
+    sizes = axes.sizes(owner)
+    axes_lib.check_varying(updates, axes, owner)
+    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
+    common.check_error_shapes(owner, state.worker_error, layout)
+    grads, treedef = jax.tree.flatten(updates)
+    mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+    count = optax.safe_increment(state.count)
+    frozen = state.count >= state.freeze_count
+
+    def moments(indices, means, mu, nu):
+      for i, mean in zip(indices, means, strict=True):
+        mu[i] = optax.tree.update_moment(mean, mu[i], b1, 1)
+        nu[i] = optax.tree.update_moment_per_elem_norm(mean, nu[i], b2, 2)
+      return mu, nu
+
+    def warm_up(_):
+      indices = tuple(sorted(leaves.compressed + leaves.float32))
+      means = common.pmean_float32([grads[i] for i in indices], axes)
+      new_mu, new_nu = moments(indices, means, list(mu), list(nu))
+      return new_mu, new_nu, state.worker_error, state.server_error, base.all_finite(means)
+
+    def compressed(_):
+      local_mu = [optax.tree.update_moment(grads[i].astype(jnp.float32), mu[i], b1, 1)
+                  for i in leaves.compressed]
+      out = common.exchange(local_mu, state.worker_error, state.server_error, leaves, axes,
+                            sizes)
+      new_mu = list(mu)
+      for i, vector in zip(leaves.compressed, out.vectors, strict=True):
+        new_mu[i] = common.unseen_masked(vector, nu[i])
+      means = common.pmean_float32([grads[i] for i in leaves.float32], axes)
+      new_mu, new_nu = moments(leaves.float32, means, new_mu, list(nu))
+      return new_mu, new_nu, out.worker_error, out.server_error, out.all_finite & base.all_finite(
+          means)
+
+    def stored(new_mu, new_nu, worker_error, server_error, finite):
+      # A non-finite step keeps the moments and errors as they were, on every device
+      # together; chosen here, where XLA fuses the choice into what computes them.
+      new_mu = [m.astype(old.dtype) for m, old in zip(new_mu, mu, strict=True)]
+      new_nu = [v.astype(old.dtype) for v, old in zip(new_nu, nu, strict=True)]
+      kept = common.tree_select(finite, (new_mu, new_nu, worker_error, server_error),
+                                (mu, nu, state.worker_error, state.server_error))
+      return *kept, finite
+
+    new_mu, new_nu, worker_error, server_error, finite = jax.lax.cond(
+        frozen, lambda _: stored(*compressed(_)), lambda _: stored(*warm_up(_)), None)
+    out = _directions(grads, new_mu, new_nu, leaves, count, state.freeze_count, finite, b1=b1,
+                      b2=b2, eps=eps, bias_correction=bias_correction)
+    freeze_count, history = state.freeze_count, state.variance_history
+    if auto:
+      history, freeze_count = auto.update(
+          history, freeze_count, variances=[new_nu[i] for i in leaves.compressed],
+          updates_seen=count, recorded=jnp.logical_not(frozen) & finite, count=count, b2=b2,
+          bias_correction=bias_correction)
+
+    num_float = leaves.elements("compressed") + leaves.elements("float32")
+    step_stats = _stats(frozen, leaves, layout, num_float, sizes)
+    # A non-finite step leaves the state as it was (the moments and errors already
+    # chosen above), on every device together.
+    new_state = ScaleByOneBitAdamState(
+        count=jnp.where(finite, count, state.count),
+        mu=jax.tree.unflatten(treedef, new_mu),
+        nu=jax.tree.unflatten(treedef, new_nu),
+        worker_error=worker_error,
+        server_error=server_error,
+        freeze_count=jnp.where(finite, freeze_count, state.freeze_count),
+        variance_history=common.tree_select(finite, history, state.variance_history),
+        stats=step_stats,
+    )
+    return jax.tree.unflatten(treedef, out), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def onebit_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    axis_name: axes_lib.AxisName,
+    *,
+    freeze_step: common.FreezeStep,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    mask=None,
+    mu_dtype=None,
+    min_compressed_size: int = common.DEFAULT_MIN_COMPRESSED_SIZE,
+    compression_mask=None,
+    axis_size: int | dict[str, int] | None = None,
+    auto_freeze_window: int = 20,
+    auto_freeze_tolerance: float = 0.025,
+) -> optax.GradientTransformationExtraArgs:
+  r"""1-bit Adam: AdamW whose gradient average is 1-bit after a float32 warm-up.
+
+  The optimizer of DeepSpeed's ``OnebitAdam``
+  (``deepspeed/runtime/fp16/onebit/adam.py``), as an ``optax.adamw``-style
+  alias: :func:`scale_by_onebit_adam`, then
+  ``optax.add_decayed_weights(weight_decay, mask)`` (weight decay added to
+  the Adam ratio in both stages, as DeepSpeed adds it), then the learning
+  rate, the last two wrapped in ``optax.apply_if_finite`` so that a
+  non-finite gradient on any device skips the step on every device together.
+
+  Its ``update`` takes each device's **local** gradients, inside
+  ``jax.pmap`` or ``jax.shard_map`` over ``axis_name`` (or through
+  :func:`~qsgd_jax.data_parallel`), and does the whole job, communication
+  included: do not average the gradients before it. During the warm-up it
+  sends what a float32 all-reduce does; after the freeze, about 32x less.
+
+  Unlike DeepSpeed's, its error buffers are part of the optax state: a
+  checkpoint keeps them, and a resumed run continues bit for bit (DeepSpeed
+  resets them when it loads a checkpoint).
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    axis_name: the mapped axis to average over (or ``(outer, inner, ...)``,
+      see :func:`scale_by_onebit_adam`).
+    freeze_step: float32 warm-up updates before the variance is frozen, or
+      ``"auto"`` to freeze it once it has stopped moving.
+    b1, b2, eps, bias_correction, mu_dtype: see :func:`scale_by_onebit_adam`.
+    min_compressed_size, compression_mask, axis_size: see
+      :func:`scale_by_onebit_adam`.
+    auto_freeze_window, auto_freeze_tolerance: see :func:`scale_by_onebit_adam`.
+    weight_decay: decoupled weight decay, as in ``optax.adamw``.
+    mask: which leaves are decayed, as in ``optax.adamw``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, qsgd_jax
+    >>> n = jax.local_device_count()
+    >>> tx = qsgd_jax.onebit_adam(1e-3, "batch", freeze_step=2, min_compressed_size=0)
+    >>> params = jnp.zeros((n, 64))
+    >>> state = jax.pmap(tx.init, axis_name="batch")(params)
+    >>> step = jax.pmap(tx.update, axis_name="batch")
+    >>> for _ in range(3):  # Two float32 warm-up steps, then 1-bit ones.
+    ...   updates, state = jax.block_until_ready(step(jnp.ones((n, 64)), state, params))
+    >>> bool(jnp.allclose(updates, -1e-3))
+    True
+
+  References:
+    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training
+    with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML
+    2021; Loshchilov and Hutter, Decoupled Weight Decay Regularization, ICLR
+    2019.
+  """
+  return optax.chain(
+      scale_by_onebit_adam(
+          axis_name, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
+          bias_correction=bias_correction, mu_dtype=mu_dtype,
+          min_compressed_size=min_compressed_size, compression_mask=compression_mask,
+          axis_size=axis_size, auto_freeze_window=auto_freeze_window,
+          auto_freeze_tolerance=auto_freeze_tolerance),
+      # Leaves that are not float have zero updates, which stay zero and of their dtype.
+      optax.masked(
+          optax.apply_if_finite(
+              optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                          optax.scale_by_learning_rate(learning_rate)),
+              max_consecutive_errors=_ALWAYS_SKIP),
+          _float_leaves),
+  )
+
+
+def _float_leaves(tree):
+  return jax.tree.map(lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating), tree)
+
+
+def _directions(grads, mu, nu, leaves: common.Leaves, count, freeze_count, finite, *, b1, b2,
+                eps, bias_correction) -> list[jax.Array]:
+  """Each leaf's Adam direction :math:`\\hat m / (\\sqrt{\\hat v} + \\epsilon)`, NaN
+  everywhere on a non-finite step, zero for a leaf that is not float. A compressed leaf's
+  variance is corrected for the updates up to its freeze."""
+  out = []
+  for i, g in enumerate(grads):
+    if leaves.kinds[i] == "other":
+      out.append(common.zero_update(g))
+      continue
+    frozen_variance = leaves.kinds[i] == "compressed"
+    variance_count = jnp.minimum(count, freeze_count) if frozen_variance else count
+    m_hat, v_hat = mu[i], nu[i]
+    if bias_correction:
+      m_hat = optax.tree.bias_correction(m_hat, b1, count)
+      v_hat = optax.tree.bias_correction(v_hat, b2, variance_count)
+    direction = m_hat / (jnp.sqrt(v_hat) + eps)
+    out.append(jnp.where(finite, direction, jnp.nan).astype(jnp.result_type(g)))
+  return out
+
+
+def _stats(frozen: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
+           num_float: int, sizes: tuple[int, ...]) -> stats.CompressionStats:
+  """What this step sent: a float32 all-reduce while warming up, the 1-bit exchange after."""
+  n = sizes[0] if sizes else 1
+  m = math.prod(sizes[1:])
+  if not sizes:
+    return stats.make(0.0, 0.0, jnp.nan)
+  float32_bits = wire.float32_allreduce_bits(num_float, n * m)
+  outer_float32_bits = wire.float32_allreduce_bits(num_float / m, n)
+  small = leaves.elements("float32")
+  inner_bits = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
+  compressed_bits = (layout.wire_bits() + inner_bits
+                     + wire.float32_allreduce_bits(small, n * m))
+  outer_compressed_bits = layout.wire_bits() + wire.float32_allreduce_bits(small / m, n)
+  return stats.make(jnp.where(frozen, compressed_bits, float32_bits), float32_bits, jnp.nan,
+                    jnp.where(frozen, outer_compressed_bits, outer_float32_bits),
+                    outer_float32_bits)

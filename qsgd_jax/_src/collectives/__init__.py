@@ -1,0 +1,1 @@
+"""Quantized collectives: the reduction plan and the sums, gathers and exchanges it runs."""

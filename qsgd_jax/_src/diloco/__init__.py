@@ -1,0 +1,1 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps and a compressed outer exchange."""

@@ -1,0 +1,1 @@
+"""PowerSGD: low-rank compression of each weight matrix's gradient, as PyTorch's hook runs it."""
