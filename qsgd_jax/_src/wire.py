@@ -19,6 +19,8 @@ import math
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 _ITEM_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -29,8 +31,11 @@ _INSTRUCTION = re.compile(
     r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\("
 )
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
+_IOTA_GROUPS = re.compile(
+    r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s+\(.*\{\s*$")
@@ -65,6 +70,17 @@ class Collective(NamedTuple):
   result_bytes: int
   group_size: int
   bytes_sent: float
+  groups: tuple[tuple[int, ...], ...] = ()
+
+  def crosses(self, mesh, axis_name) -> bool:
+    """Whether a group of this collective spans two devices that differ along
+    ``axis_name`` (a mesh axis, or a tuple of them) of ``mesh``, the mesh the program
+    was compiled over (its devices in ``mesh.devices.flat`` order are the program's)."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    where = [mesh.axis_names.index(name) for name in names]
+    coordinates = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape),
+                           axis=1)[:, where]
+    return any(len({tuple(coordinates[d]) for d in group}) > 1 for group in self.groups)
 
 
 def _array_bytes(result_type: str) -> list[int]:
@@ -75,14 +91,62 @@ def _array_bytes(result_type: str) -> list[int]:
   ]
 
 
-def _group_size(line: str, devices: int) -> int:
+def _groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
+  """The device groups of a collective's line (a collective-permute's pairs): in any of
+  the three forms XLA prints (listed, iota, mesh axes); all devices where none is given."""
   if match := _EXPLICIT_GROUPS.search(line):
-    return len([d for d in match.group(1).split(",") if d])
+    return tuple(tuple(int(d) for d in group.split(",") if d)
+                 for group in re.findall(r"\{([0-9,]*)\}", match.group(1)))
   if match := _IOTA_GROUPS.search(line):
-    return int(match.group(2))
+    count, size = int(match.group(1)), int(match.group(2))
+    ids = np.arange(count * size).reshape([int(d) for d in match.group(3).split(",")])
+    if match.group(4):
+      ids = ids.transpose([int(d) for d in match.group(4).split(",")])
+    return tuple(map(tuple, ids.reshape(count, size).tolist()))
+  if match := _MESH_GROUPS.search(line):
+    return _mesh_axes_groups(*match.groups())
   if match := _PAIRS.search(line):
-    return len(set(re.findall(r"\d+", match.group(1))))
-  return devices
+    return tuple(tuple(int(d) for d in pair.split(","))
+                 for pair in re.findall(r"\{(\d+,\d+)", "{" + match.group(1) + "}}"))
+  return (tuple(range(devices)),)
+
+
+def _mesh_axes_groups(axes_text: str, device_ids: str | None,
+                      grouped_text: str) -> tuple[tuple[int, ...], ...]:
+  """Groups given as ``mesh['a'=2,'b'=4] {'b'}``: the devices that differ only along the
+  listed axes (or sub-axes, ``'b':(2)2``: size 2 of ``b`` after its first 2) form one."""
+  sizes = [(name, int(size)) for name, size in re.findall(r"'?(\w+)'?=(\d+)", axes_text)]
+  listed = re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", grouped_text)
+  listed = [(name, int(pre) if pre else None, int(size) if size else None)
+            for name, pre, size in listed if name]
+  dims, grouped = [], []
+  for name, size in sizes:  # Each axis, cut where a sub-axis of it is listed.
+    cuts = sorted((pre, sub) for axis, pre, sub in listed if axis == name and pre)
+    start, before = len(dims), 1
+    for pre, sub in cuts:
+      if pre > before:
+        dims.append(pre // before)
+      grouped.append((name, pre, sub, len(dims)))
+      dims.append(sub)
+      before = pre * sub
+    if before < size:
+      dims.append(size // before)
+    if not cuts and any(axis == name for axis, _, _ in listed):
+      grouped.append((name, None, None, start))
+  ids = np.arange(math.prod(dims))
+  if device_ids and (iota := re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", device_ids)):
+    ids = ids.reshape([int(d) for d in iota.group(1).split(",")])
+    if iota.group(2):
+      ids = ids.transpose([int(d) for d in iota.group(2).split(",")])
+    ids = ids.reshape(-1)
+  elif device_ids:
+    ids = np.array([int(d) for d in re.findall(r"\d+", device_ids)])
+  order = [next(dim for axis, pre, sub, dim in grouped if (axis, pre, sub) == entry)
+           for entry in listed]
+  rest = [dim for dim in range(len(dims)) if dim not in order]
+  groups = ids.reshape(dims).transpose(rest + order).reshape(
+      -1, math.prod(dims[dim] for dim in order))
+  return tuple(map(tuple, groups.tolist()))
 
 
 def collectives_in_hlo(hlo_text: str) -> list[Collective]:
@@ -138,8 +202,11 @@ def _collective(line: str, devices: int) -> Collective | None:
     result_bytes = arrays[1]
   else:
     result_bytes = sum(arrays)
-  n = _group_size(line, devices)
-  return Collective(kind, result_type, result_bytes, n, bytes_sent(kind, result_bytes, n))
+  groups = _groups(line, devices)
+  n = len(set(groups[0])) if kind != "collective-permute" else len(
+      {d for group in groups for d in group})
+  return Collective(kind, result_type, result_bytes, n, bytes_sent(kind, result_bytes, n),
+                    groups)
 
 
 def bytes_sent(kind: str, result_bytes: float, group_size: int) -> float:
@@ -169,12 +236,17 @@ def float32_allreduce_bits(num_elements: int, group_size: int) -> float:
   return 8 * bytes_sent("all-reduce", 4 * num_elements, group_size)
 
 
-def wire_bytes(hlo_text: str) -> float:
+def wire_bytes(hlo_text: str, *, mesh=None, across=None) -> float:
   """Total bytes one device sends in the collectives of an optimized HLO module.
 
   Args:
     hlo_text: the compiled program's text, e.g.
       ``jax.jit(f).lower(x).compile().as_text()``.
+    mesh: with ``across``, the mesh the program was compiled over.
+    across: a mesh axis (or a tuple of them): count only the collectives
+      whose groups span devices that differ along it, those that cross its
+      links (on a mesh of ``data`` between nodes and ``fsdp`` inside them,
+      ``across="data"`` is what the slow links carry). ``None`` counts all.
 
   Returns:
     The sum of :attr:`Collective.bytes_sent` over :func:`collectives_in_hlo`:
@@ -191,8 +263,34 @@ def wire_bytes(hlo_text: str) -> float:
     >>> text = f.lower(jnp.ones((n, 1024))).compile().as_text()
     >>> qsgd_jax.wire_bytes(text) == (2 * (n - 1) / n * 4096 if n > 1 else 0)
     True
+
+    Over a mesh of 2 nodes of 2 devices, what crosses between the nodes:
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 2), ("node", "local"))
+    >>> def mean(x):  # Over the nodes only.
+    ...   return jax.lax.pmean(x, "node")
+    >>> f = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=P(("node", "local")),
+    ...                           out_specs=P("local")))
+    >>> x = jax.device_put(jnp.ones((4, 1024)), NamedSharding(mesh, P(("node", "local"))))
+    >>> text = f.lower(x).compile().as_text()
+    >>> qsgd_jax.wire_bytes(text, mesh=mesh, across="node") == 2 * (2 - 1) / 2 * 4096
+    True
+    >>> qsgd_jax.wire_bytes(text, mesh=mesh, across="local")
+    0
   """
-  return sum(c.bytes_sent for c in collectives_in_hlo(hlo_text))
+  return sum(c.bytes_sent for c in collectives_in_hlo(hlo_text)
+             if _counted(c, mesh, across))
+
+
+def _counted(collective: Collective, mesh, across) -> bool:
+  """Whether ``collective`` counts towards the bytes sent ``across`` axes of ``mesh``."""
+  if across is None:
+    return True
+  if mesh is None:
+    raise ValueError("wire_bytes: across= needs the mesh the program was compiled over, "
+                     "mesh=, to place the devices of each collective's groups.")
+  return collective.crosses(mesh, across)
 
 
 class BranchWireBytes(NamedTuple):
@@ -246,7 +344,7 @@ class BranchWireBytes(NamedTuple):
         sent[branch] for sent, branch in zip(self.conditionals, branches, strict=True))
 
 
-def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
+def wire_bytes_by_branch(hlo_text: str, *, mesh=None, across=None) -> BranchWireBytes:
   """:func:`wire_bytes`, the collectives inside each branch of a conditional apart.
 
   Walks the program from its entry computation through the computations it
@@ -257,6 +355,8 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
   Args:
     hlo_text: the compiled program's text, e.g.
       ``jax.jit(f).lower(x).compile().as_text()``.
+    mesh, across: as for :func:`wire_bytes`: only the collectives that cross
+      ``across``.
 
   Returns:
     A :class:`BranchWireBytes`: the bytes sent on every step, and those of
@@ -286,7 +386,7 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
     else:
       computations[current].append(line)
   if entry is None:
-    total = wire_bytes(hlo_text)
+    total = wire_bytes(hlo_text, mesh=mesh, across=across)
     return BranchWireBytes(total, (), total, total)
 
   def branches_of(line: str) -> list[str] | None:
@@ -313,7 +413,8 @@ def wire_bytes_by_branch(hlo_text: str) -> BranchWireBytes:
       raise ValueError(f"The HLO's computations call each other in a cycle through {name}.")
     outside = least = most = 0.0
     for line in computations.get(name, ()):
-      if (collective := _collective(line, devices)) is not None:
+      collective = _collective(line, devices)
+      if collective is not None and _counted(collective, mesh, across):
         outside, least, most = (x + collective.bytes_sent for x in (outside, least, most))
       if (branches := branches_of(line)) is not None:
         sent, lows, highs = [], [], []

@@ -1,19 +1,20 @@
 """optax transformations that average gradients with a quantized all-reduce."""
 
+import functools
 import math
-import warnings
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, stats, wire
+from qsgd_jax._src import axes, base, shards, stats, wire
+from qsgd_jax._src.averaging import allreduce_checks
 from qsgd_jax._src.collectives import plan, reduction
-from qsgd_jax._src.compressors.onebit import OneBit
 from qsgd_jax._src.compressors.qsgd import QSGD
 
 ErrorFeedback = bool | Literal["worker", "owner", "both"]
+_OWNER = "qsgd_jax.compressed_allreduce"
 _APPLY_IF_FINITE_AFTER = (
     "Put it after this transform in the chain instead, e.g. optax.chain(qsgd_jax.qsgd(...), "
     "optax.apply_if_finite(optax.sgd(...), max_consecutive_errors)): a non-finite value on any "
@@ -123,6 +124,21 @@ def compressed_allreduce(
   zero), bool leaves ``True`` where any device's is, ``float0`` leaves (from
   ``jax.grad(..., allow_int=True)``) as they are.
 
+  On a mesh whose model is sharded over other axes (``fsdp``, ``tensor``)
+  inside each data group, this transform, under a ``jax.shard_map`` manual
+  over ``axis_name`` alone, reads each leaf's layout over the mesh's
+  *explicit* axes from its type (``jax.typeof(leaf).sharding``) and
+  compresses each device's own shard: the leaves laid out over the same
+  axes form a group, quantized on their shards in a ``jax.shard_map`` manual
+  over those axes too, so that no bucket spans two shards and nothing is
+  gathered over them. ``min_compressed_size`` applies to whole leaves; the
+  residuals are each device's own, along ``axis_name`` and the group's
+  axes; each shard draws its own rounding; one scalar all-reduce a group,
+  over every axis, tells every device of any non-finite value. Under
+  automatic model axes (the compiler's layout, unknown here) run ``update``
+  in ``jax.sharding.explicit_axes`` with the leaves' specs, as
+  :func:`~qsgd_jax.data_parallel` does.
+
   To accumulate gradients over ``k`` mini-steps, wrap the chain in
   :func:`~qsgd_jax.accumulate_gradients`: each device averages its own
   gradients and this transform all-reduces their mean once, on the
@@ -196,7 +212,7 @@ def compressed_allreduce(
         f"compressed_allreduce: error_feedback={error_feedback!r} keeps residuals on the "
         "owners of the reduced pieces, and axis_name=None has none; use "
         "error_feedback='worker'.")
-  given_axis_sizes = _given_axis_sizes(axis_name, axis_size)
+  given_axis_sizes = allreduce_checks.given_axis_sizes(axis_name, axis_size)
   if owner_feedback and method != "two_phase":
     raise ValueError(
         f"owner error feedback needs method='two_phase': {method!r} has no piece owners.")
@@ -206,69 +222,103 @@ def compressed_allreduce(
         f"got {track_elias!r}.")
   elias_every = int(track_elias) if isinstance(compressor, QSGD) and method != "psum" else 0
 
-  def make_plan(tree, axis_sizes=None):
+  def make_plan(tree, axis_sizes=None, shard_axes=()):
+    # A leaf cut into k shards is compressed when the whole leaf has min_compressed_size
+    # elements: when each shard has ceil(min_compressed_size / k).
+    shards_count = math.prod(
+        jax.sharding.get_abstract_mesh().shape[name] for name in shard_axes)
+    shard_min = -(-min_compressed_size // shards_count) if shards_count > 1 else None
     return plan.make_plan(tree, axis_name, compressor, method=method,
-                          min_compressed_size=min_compressed_size, axis_sizes=axis_sizes,
-                          owner="compressed_allreduce", exact_own_piece=exact_own_piece)
+                          min_compressed_size=shard_min or min_compressed_size,
+                          axis_sizes=axis_sizes, owner="compressed_allreduce",
+                          exact_own_piece=exact_own_piece)
 
   # Fails at construction, not at the first step, for a bad compressor, method or axis.
   make_plan((), axis_sizes={})
 
   def init_fn(params):
-    reduction_plan = make_plan(params, _axis_sizes(axis_name, given_axis_sizes))
+    axis_sizes = allreduce_checks.axis_sizes(axis_name, given_axis_sizes)
+    leaves = jax.tree.leaves(params)
+
+    def zeros(group_leaves, per_device, shared, shard_axes):
+      del per_device, shared
+      group_plan = make_plan(group_leaves, axis_sizes, shard_axes)
+      return group_leaves, (
+          _zeros(group_plan.local_error_shapes()) if worker_feedback else (),
+          _zeros(group_plan.owner_error_shapes()) if owner_feedback else ()), ()
+
+    local_error, chunk_error = (), ()
+    for group in shards.group(leaves, _OWNER):
+      _, (group_local, group_chunk), _ = shards.own_shards(
+          functools.partial(zeros, shard_axes=group.axes), group.axes, group.specs,
+          [leaves[i] for i in group.members])
+      local_error, chunk_error = local_error + group_local, chunk_error + group_chunk
     return CompressedAllReduceState(
         key=base.as_key(key),
         count=jnp.zeros((), jnp.int32),
-        local_error=_zeros(reduction_plan.local_error_shapes()) if worker_feedback else (),
-        chunk_error=_zeros(reduction_plan.owner_error_shapes()) if owner_feedback else (),
+        local_error=local_error,
+        chunk_error=chunk_error,
         stats=stats.empty(),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     if axis_name is not None:
-      axes.check_not_in_apply_if_finite("qsgd_jax.compressed_allreduce", axis_name,
-                                        _APPLY_IF_FINITE_AFTER)
-    reduction_plan = make_plan(updates)
-    _check_residual_shapes(reduction_plan, state, axis_size)
-    _warn_if_little_is_compressed(reduction_plan)
+      axes.check_not_in_apply_if_finite(_OWNER, axis_name, _APPLY_IF_FINITE_AFTER)
+    leaves, treedef = jax.tree.flatten(updates)
+    groups = shards.group(leaves, _OWNER)
+    plans = [make_plan([jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(leaves[i]), spec),
+                                             jnp.result_type(leaves[i]))
+                        for i, spec in zip(group.members, group.specs, strict=True)],
+                       shard_axes=group.axes)
+             for group in groups]
+    if plans and not plans[0].axes.is_local:
+      # Here, where the leaves' paths are known: each group's reduction checks it again.
+      axes.check_varying(updates, plans[0].axes, "compressed_allreduce")
+    allreduce_checks.check_residual_shapes(plans, groups, state, axis_size)
+    allreduce_checks.warn_if_little_is_compressed(plans)
     next_key, step_key = jax.random.split(state.key)
-    local = reduction_plan.axes.is_local
-    n, m = reduction_plan.outer_size, reduction_plan.inner_size
-    float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements, n * m)
-    outer_float32_bits = wire.float32_allreduce_bits(reduction_plan.num_elements / m, n)
-    # A scalar all-reduce over every axis: the non-finite flag, and the Elias mean.
-    scalar_bits = 0.0 if local else wire.float32_allreduce_bits(1, n * m)
-
-    def elias_bits_of(out):
-      # Each device's first-phase payloads are its own: one scalar pmean.
-      bits = reduction.elias_wire_bits(reduction_plan, out)
-      return bits if local else jax.lax.pmean(bits, axis_name)
+    local = plans[0].axes.is_local if plans else True
+    n, m = (plans[0].outer_size, plans[0].inner_size) if plans else (1, 1)
+    num_elements = sum(group_plan.num_elements for group_plan in plans)
+    float32_bits = wire.float32_allreduce_bits(num_elements, n * m)
+    outer_float32_bits = wire.float32_allreduce_bits(num_elements / m, n)
+    # A scalar all-reduce over every axis a group: the non-finite flag, and the Elias mean.
+    scalar_bits = 0.0 if local else len(plans) * wire.float32_allreduce_bits(1, n * m)
 
     def compressed(_):
-      out = reduction.reduce(
-          reduction_plan, updates, step_key, mean=True,
-          local_error=state.local_error if worker_feedback else None,
-          owner_error=state.chunk_error if owner_feedback else None,
-      )
+      measured = (state.count % elias_every == 0) if elias_every else False
+      keys = [step_key] if len(groups) < 2 else list(jax.random.split(step_key, len(groups)))
+      out, local_error, chunk_error = list(leaves), [], []
+      nonfinite = elias_bits = jnp.float32(0)
+      residuals = _residuals_by_group(plans, state)
+      for group, group_plan, group_key, (group_local, group_chunk) in zip(
+          groups, plans, keys, residuals, strict=True):
+        means, (new_local, new_chunk), (group_nonfinite, group_elias) = shards.own_shards(
+            functools.partial(_exchange, group_plan, axis_name=axis_name,
+                              shard_axes=group.axes, worker_feedback=worker_feedback,
+                              owner_feedback=owner_feedback, measure_elias=bool(elias_every)),
+            group.axes, group.specs, [leaves[i] for i in group.members],
+            (group_local, group_chunk), (group_key, jnp.asarray(measured)))
+        for i, mean in zip(group.members, means, strict=True):
+          out[i] = mean
+        local_error, chunk_error = local_error + list(new_local), chunk_error + list(new_chunk)
+        nonfinite, elias_bits = nonfinite + group_nonfinite, elias_bits + group_elias
       # A NaN or inf on one device must reach every device, as through lax.pmean.
-      nonfinite = jnp.logical_not(_updates_finite(reduction_plan, updates, out))
-      nonfinite = nonfinite.astype(jnp.float32)
-      finite = (nonfinite if local else jax.lax.psum(nonfinite, axis_name)) == 0
-      mean = jax.tree.map(lambda x: jnp.where(finite, x, jnp.nan).astype(x.dtype)
-                          if _is_float(x) else x, out.tree)
-      wire_bits = reduction_plan.wire_bits + scalar_bits
-      outer_bits = reduction_plan.outer_wire_bits + scalar_bits / m
-      elias_bits = state.stats.elias_bits
+      finite = nonfinite == 0
+      mean = treedef.unflatten([jnp.where(finite, x, jnp.nan).astype(x.dtype)
+                                if _is_float(x) else x for x in out])
+      wire_bits = sum(group_plan.wire_bits for group_plan in plans) + scalar_bits
+      outer_bits = sum(group_plan.outer_wire_bits for group_plan in plans) + scalar_bits / m
       if elias_every:
-        measured = state.count % elias_every == 0
-        elias_bits = jax.lax.cond(measured, lambda: elias_bits_of(out) + 2 * scalar_bits,
-                                  lambda: elias_bits)
+        elias_bits = jnp.where(measured, elias_bits + 2 * scalar_bits, state.stats.elias_bits)
         wire_bits += jnp.where(measured, scalar_bits, 0.0)
         outer_bits += jnp.where(measured, scalar_bits / m, 0.0)
+      else:
+        elias_bits = state.stats.elias_bits
       # A skipped step (optax.apply_if_finite after this transform) leaves the residuals.
-      local_error = _where(finite, out.local_error, state.local_error) if worker_feedback else ()
-      chunk_error = _where(finite, out.owner_error, state.chunk_error) if owner_feedback else ()
+      local_error = _where(finite, local_error, state.local_error) if worker_feedback else ()
+      chunk_error = _where(finite, chunk_error, state.chunk_error) if owner_feedback else ()
       return (mean, axes.as_varying(local_error, axis_name),
               axes.as_varying(chunk_error, axis_name),
               stats.make(wire_bits, float32_bits, elias_bits, outer_bits, outer_float32_bits))
@@ -300,180 +350,49 @@ def compressed_allreduce(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def qsgd(
-    axis_name: axes.AxisName,
-    bits: int = 4,
-    bucket_size: int | None = 512,
-    norm: Literal["max", "l2"] = "max",
-    key: jax.Array | int = 0,
-    *,
-    error_feedback: ErrorFeedback = False,
-    warmup_steps: int = 0,
-    method: plan.Method = "two_phase",
-    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
-    axis_size: int | dict[str, int] | None = None,
-    track_elias: bool | int = False,
-    exact_own_piece: bool = True,
-) -> optax.GradientTransformationExtraArgs:
-  """QSGD (Alistarh et al. 2017): gradients averaged with the QSGD quantizer.
+def _exchange(reduction_plan: plan.ReductionPlan, leaves, residuals, shared, *, axis_name,
+              shard_axes: tuple[str, ...], worker_feedback: bool, owner_feedback: bool,
+              measure_elias: bool):
+  """One group's quantized mean, on this device's own shards of its leaves.
 
-  ``compressed_allreduce(QSGD(bits, bucket_size, norm), axis_name, key=key)``:
-  each coordinate travels as a ``bits``-bit stochastic level of its bucket's
-  norm, unbiased, with the variance bound of Lemma 3.1.
-
-  Args:
-    axis_name: the mapped axis to average over.
-    bits: bits a coordinate; ``2**(bits - 1) - 1`` levels.
-    bucket_size: coordinates sharing one scale; ``None`` for one per piece.
-    norm: ``"max"`` or ``"l2"``.
-    key: PRNG key or integer seed.
-    error_feedback, warmup_steps, method: as in :func:`compressed_allreduce`.
-    axis_size, track_elias, exact_own_piece: as in :func:`compressed_allreduce`.
-    min_compressed_size: leaves with fewer elements (4096 by default: biases
-      and norm scales) go in float32.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Under ``optax.inject_hyperparams`` only ``key`` may be traced: name the
-  other numeric options in ``static_args``,
-  ``static_args=("bits", "bucket_size", "warmup_steps", "min_compressed_size")``
-  (and ``"axis_size"``, ``"track_elias"`` if given); the error says so too.
-
-  Examples:
-    >>> import optax, qsgd_jax
-    >>> tx = optax.chain(qsgd_jax.qsgd("batch"), optax.adamw(1e-3))
-
-  References:
-    Alistarh et al., `QSGD: Communication-Efficient SGD via Gradient
-    Quantization and Encoding <https://arxiv.org/abs/1610.02132>`_, 2017.
+  Returns the means (not yet made NaN by another device's non-finite values),
+  the new residuals ``(local_error, chunk_error)``, and, the same on every
+  device, how many devices' updates were not finite and this device's Elias
+  bits (averaged over the devices; zero unless ``measured``).
   """
-  base.check_static_options(
-      "qsgd_jax.qsgd", bits=bits, bucket_size=bucket_size, warmup_steps=warmup_steps,
-      min_compressed_size=min_compressed_size, axis_size=axis_size, track_elias=track_elias)
-  compressor = QSGD(bits=bits, bucket_size=bucket_size, norm=norm)
-  return compressed_allreduce(
-      compressor, axis_name, key=key, error_feedback=error_feedback,
-      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
-      axis_size=axis_size, track_elias=track_elias, exact_own_piece=exact_own_piece)
+  local_error, chunk_error = residuals
+  key, measured = shared
+  if shard_axes:  # Each shard its own draws, as each device of axis_name has.
+    key = jax.random.fold_in(key, jax.lax.axis_index(shard_axes))
+  out = reduction.reduce(
+      reduction_plan, leaves, key, mean=True,
+      local_error=local_error if worker_feedback else None,
+      owner_error=chunk_error if owner_feedback else None)
+  every_axis = () if axis_name is None else axes.parse(axis_name, _OWNER).names
+  every_axis += shard_axes
+  nonfinite = jnp.logical_not(_updates_finite(reduction_plan, leaves, out)).astype(jnp.float32)
+  elias_bits = jnp.float32(0)
+  if measure_elias:
+    # Each device's first-phase payloads are its own: one scalar pmean.
+    elias_bits = jax.lax.cond(measured, lambda: reduction.elias_wire_bits(reduction_plan, out),
+                              lambda: axes.varying_like(elias_bits, nonfinite))
+  if every_axis:
+    nonfinite = jax.lax.psum(nonfinite, every_axis)
+    elias_bits = jax.lax.pmean(elias_bits, every_axis)
+  return (out.tree, (out.local_error if worker_feedback else (),
+                     out.owner_error if owner_feedback else ()), (nonfinite, elias_bits))
 
 
-def onebit_sgd(
-    axis_name: axes.AxisName,
-    key: jax.Array | int = 0,
-    *,
-    bucket_size: int | None = 512,
-    error_feedback: ErrorFeedback = "worker",
-    warmup_steps: int = 0,
-    method: plan.Method = "two_phase",
-    min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
-    axis_size: int | dict[str, int] | None = None,
-    track_elias: bool | int = False,
-    exact_own_piece: bool = True,
-) -> optax.GradientTransformationExtraArgs:
-  """1-bit SGD (Seide et al. 2014): sign bits, bucket means, error feedback.
-
-  ``compressed_allreduce(OneBit(bucket_size), axis_name, error_feedback=...)``.
-
-  CNTK's ``AllReduceDistGradAggregator`` quantizes each column of a gradient
-  matrix on its own (a row here: ``bucket_size=None``), keeps a residual on
-  every worker *and* on every stripe owner's re-quantized sum, and quantizes
-  the owner's own stripe too: ``onebit_sgd(axis_name, bucket_size=None,
-  error_feedback="both", exact_own_piece=False)`` reproduces it to float
-  rounding (``tests/fidelity_test.py``).
-
-  The defaults come from ``benchmarks/error_feedback.py`` (digits, an MLP on
-  8 devices, 5 seeds x 300 SGD steps; test accuracy): float32 97.00 +- 0.41;
-  worker residuals 96.44 +- 0.60 with buckets of 512, 96.78 +- 0.50 with
-  rows; both residuals 95.56 +- 1.87 (buckets) and 96.33 +- 0.99 (rows);
-  CNTK's settings 96.44 +- 0.84; owner residuals alone 76.6 +- 9.8; none
-  94.94 +- 0.36. Worker residuals alone do as well as CNTK's two, with no
-  state on the owners; buckets of 512 and rows are within the seeds' spread,
-  and a fixed bucket size keeps the scales' share of the bytes fixed whatever
-  the leaves' row lengths.
-
-  Args:
-    axis_name: the mapped axis to average over.
-    key: PRNG key or int seed (1-bit quantization is deterministic; the key
-      is kept for a uniform interface).
-    bucket_size: elements sharing the two reconstruction values; ``None``
-      for one bucket a row of each leaf's last axis, as CNTK.
-    error_feedback: as in :func:`compressed_allreduce`; ``"worker"`` by
-      default.
-    warmup_steps, method, min_compressed_size: as in :func:`compressed_allreduce`.
-    axis_size, track_elias, exact_own_piece: as in :func:`compressed_allreduce`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Examples:
-    >>> import optax, qsgd_jax
-    >>> tx = optax.chain(qsgd_jax.onebit_sgd("batch"), optax.sgd(0.1, momentum=0.9))
-
-  References:
-    Seide et al., `1-Bit Stochastic Gradient Descent and its Application to
-    Data-Parallel Distributed Training of Speech DNNs`, Interspeech 2014.
-  """
-  base.check_static_options(
-      "qsgd_jax.onebit_sgd", bucket_size=bucket_size, warmup_steps=warmup_steps,
-      min_compressed_size=min_compressed_size, axis_size=axis_size, track_elias=track_elias)
-  return compressed_allreduce(
-      OneBit(bucket_size=bucket_size), axis_name, key=key, error_feedback=error_feedback,
-      warmup_steps=warmup_steps, method=method, min_compressed_size=min_compressed_size,
-      axis_size=axis_size, track_elias=track_elias, exact_own_piece=exact_own_piece,
-  )
-
-
-def _given_axis_sizes(axis_name, axis_size) -> dict[str, int]:
-  """``axis_size`` by axis name, checked: ``None``, a positive int (one axis) or a dict of them."""
-  names = axes.parse(axis_name, "compressed_allreduce").names
-  if axis_size is None:
-    return {}
-  if isinstance(axis_size, dict):
-    given = dict(axis_size)
-  elif len(names) == 1:
-    given = {names[0]: axis_size}
-  else:
-    raise ValueError(
-        f"compressed_allreduce: axis_size must be a dict naming each of {names}, "
-        f"got {axis_size!r}.")
-  for name, size in given.items():
-    if name not in names:
-      raise ValueError(
-          f"compressed_allreduce: axis_size names axis {name!r}, not one of {names}.")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-      raise ValueError(
-          f"compressed_allreduce: axis_size must be a positive int (or a dict of them by "
-          f"axis name), got {axis_size!r}.")
-  return given
-
-
-def _check_residual_shapes(reduction_plan: plan.ReductionPlan, state, axis_size) -> None:
-  """Raises where the state's residuals are not the shapes this step's plan holds."""
-  for field, shapes in (("local_error", reduction_plan.local_error_shapes),
-                        ("chunk_error", reduction_plan.owner_error_shapes)):
-    held = getattr(state, field)
-    if not held:
-      continue
-    expected = shapes()
-    if tuple(e.shape for e in held) != tuple(e.shape for e in expected):
-      raise ValueError(
-          f"compressed_allreduce: the state's {field} has shapes "
-          f"{[e.shape for e in held]}, this step needs {[e.shape for e in expected]}: init "
-          f"saw another axis size (axis_size={axis_size!r}) or another tree than update. "
-          "Pass the mapped axis's true size as axis_size, or call init inside the mapped "
-          "function.")
-
-
-def _axis_sizes(axis_name, given: dict[str, int]) -> dict[str, int | None]:
-  """Each axis's size: as given, else as bound here, else ``None`` (unknown)."""
-  sizes = {}
-  for name in axes.parse(axis_name, "compressed_allreduce").names:
-    try:
-      sizes[name] = given[name] if name in given else jax.lax.axis_size(name)
-    except NameError:
-      sizes[name] = None
-  return sizes
+def _residuals_by_group(plans, state):
+  """The state's residuals ``(local_error, chunk_error)`` cut into each plan's share."""
+  found, local_at, chunk_at = [], 0, 0
+  for group_plan in plans:
+    local_count = len(group_plan.segments) if state.local_error else 0
+    chunk_count = len(group_plan.blocks) if state.chunk_error else 0
+    found.append((state.local_error[local_at:local_at + local_count],
+                  state.chunk_error[chunk_at:chunk_at + chunk_count]))
+    local_at, chunk_at = local_at + local_count, chunk_at + chunk_count
+  return found
 
 
 def _zeros(shapes) -> tuple[jax.Array, ...]:
@@ -522,23 +441,3 @@ def _updates_finite(reduction_plan: plan.ReductionPlan, updates,
   typed = (lambda x: axes.as_varying(x, names)) if names else (lambda x: x)
   return jax.lax.cond(seen_finite, lambda: typed(seen_finite),
                       lambda: typed(base.all_finite(updates)))
-
-
-# Plans already warned about, so that each tree is warned about once.
-_WARNED: set[plan.ReductionPlan] = set()
-
-
-def _warn_if_little_is_compressed(reduction_plan: plan.ReductionPlan) -> None:
-  """Warns, once a tree, when under half of its elements would travel compressed."""
-  compressed = sum(math.prod(reduction_plan.leaf_shapes[i]) for i in reduction_plan.compressed)
-  total = reduction_plan.num_elements
-  if reduction_plan in _WARNED or not total or 2 * compressed >= total:
-    return
-  _WARNED.add(reduction_plan)
-  largest = max(math.prod(shape) for shape in reduction_plan.leaf_shapes)
-  warnings.warn(
-      f"compressed_allreduce: only {compressed} of the {total} elements of the updates are "
-      f"in leaves of min_compressed_size={reduction_plan.min_compressed_size} or more, so "
-      f"{100 * (1 - compressed / total):.0f}% travel in float32 and the step saves little "
-      f"(the largest leaf has {largest} elements). Lower min_compressed_size to quantize "
-      "smaller leaves.", stacklevel=3)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from qsgd_jax._src import axes
 from qsgd_jax._src.diloco.transform import DiLoCoState
-from qsgd_jax._src.training.partition_specs import state_partition_specs
+from qsgd_jax._src.training import model_axes, state_layout
 
 
 class DataParallel(NamedTuple):
@@ -52,6 +52,7 @@ def data_parallel(
     mesh: jax.sharding.Mesh,
     axis_name: axes.AxisName | None = None,
     *,
+    batch_axes: str | tuple[str, ...] = (),
     has_aux: bool = False,
     donate: bool = False,
 ) -> DataParallel:
@@ -110,6 +111,22 @@ def data_parallel(
   :class:`~qsgd_jax.DiLoCoState`'s ``global_params`` (``opt_state.global_params``
   when ``diloco`` is the whole optimizer).
 
+  On a mesh whose model is sharded too (Flax ``lm1b``'s ``('data', 'fsdp',
+  'tensor')``, MaxText's ``dcn_data_parallelism`` with ``ici_fsdp_parallelism``),
+  pass the slow axis as ``axis_name`` and lay the parameters out over the
+  others, as Flax linen's ``nn.logical_to_mesh_sharding`` or NNX's
+  ``nnx.get_named_sharding`` give them. ``step`` keeps that layout for the
+  parameters and for the state, runs ``loss_fn`` with the compiler sharding
+  the model over those *model axes* (they are made automatic for it if the
+  mesh makes them explicit), and calls the optimizer with them explicit
+  (``jax.sharding.explicit_axes``), so that each average of this library
+  compresses each device's own shard and sends it over ``axis_name`` alone:
+  no bucket spans two shards and no leaf is gathered whole. What the
+  optimizer adds is laid out as its ``init`` makes it there: Adam's moments
+  as the parameters, a compressed average's residuals along ``axis_name``
+  and the axes of the shards they belong to. The batch splits over
+  ``axis_name`` and, within each data group, over ``batch_axes``.
+
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
   per-device residuals along ``axis_name``, the rest replicated. A state that
   function does not know (a wrapper's, a transform of your own) may hold
@@ -129,7 +146,11 @@ def data_parallel(
     mesh: the devices. A ``jax.make_mesh`` mesh of either axis type works.
     axis_name: the mesh axis the batch is split over, or ``(outer, inner,
       ...)`` for a two-level mesh (the optimizer's ``axis_name`` too); by
-      default every axis of ``mesh``, in its order.
+      default every axis of ``mesh``, in its order. The mesh's other axes,
+      if any, are the model's (above).
+    batch_axes: model axes (or one) the batch also splits over within each
+      data group, its first dimension then split over ``axis_name`` and
+      them (MaxText splits it over ``('data', 'fsdp')``); none by default.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     donate: whether ``step`` donates ``params`` and ``opt_state`` (reusing
       their memory for the new ones; the arrays passed in are deleted).
@@ -138,7 +159,10 @@ def data_parallel(
     A :class:`DataParallel`: ``init``, ``step`` and ``abstract_state``.
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``; at trace time, the
+    ValueError: ``axis_name`` is not an axis of ``mesh``, or ``batch_axes``
+      one of the model axes; a params leaf laid out over ``axis_name`` (that
+      is FSDP: :func:`~qsgd_jax.fsdp_gather`); a batch leaf whose first
+      dimension does not split over the data groups; at trace time, the
       optimizer's updates differ per device (it does not average them, and
       is no :func:`~qsgd_jax.diloco`), its state holds a per-device scalar,
       which cannot be laid out, or, with :func:`~qsgd_jax.diloco`, a params
@@ -169,61 +193,30 @@ def data_parallel(
       raise ValueError(
           f"data_parallel: axis_name {name!r} is not an axis of the mesh, whose axes are "
           f"{tuple(mesh.axis_names)}.")
+  model = model_axes.model_axes(mesh, names)
+  batch_axes = _check_batch_axes(batch_axes, model)
   axis = names if len(names) > 1 else names[0]
   split = P(axis)
+  layout = state_layout.StateLayout(optimizer, mesh, names, model)
 
-  def state_specs(params):
-    # The state's shapes on one device, from init run under the mesh: the residuals'
-    # shapes may depend on the axis sizes, which only a mapped function can read.
-    def device_state(params):
-      return jax.tree.map(lambda x: x[None], axes.as_varying(optimizer.init(params), axis))
+  def make_init(params, param_specs):
+    data_specs, model_specs = layout.specs(params, param_specs)
+    init_fn = model_axes.with_model_axes(optimizer.init, model, (param_specs,))
+    full = model_axes.full_specs(data_specs, model_specs)
+    return jax.jit(_mapped(init_fn, mesh, names, model, P(), data_specs, full),
+                   out_shardings=_named(mesh, full))
 
-    stacked = jax.eval_shape(
-        jax.shard_map(device_state, mesh=mesh, in_specs=P(), out_specs=split), params)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    specs = state_partition_specs(shapes, axis)
-    local_update = _global_params(shapes) is not None
-    # A state that state_partition_specs does not know may hold per-device arrays: lay out
-    # each leaf along the axes the update makes it vary over. Laying one out may make others
-    # vary, so until nothing changes (each round only turns replicated leaves per device).
-    while True:
-      specs, changed = _per_device_specs(
-          shapes, specs, _updated_state_varying(params, specs, local_update), names)
-      if not changed:
-        return specs
+  def make_step(params, param_specs, stacked: bool, local_update: bool):
+    data_specs, model_specs = layout.specs(params, param_specs)
 
-  def _updated_state_varying(params, specs, local_update):
-    """For each leaf of the state, the axes the update's new state varies over."""
-    found = []
+    def update(grads, opt_state, params):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      if not local_update:
+        _check_averaged(updates, names)
+      return optax.apply_updates(params, updates), opt_state
 
-    def probe(params, opt_state):
-      local = axes.as_varying(params, axis)
-      _, new_state = optimizer.update(local, opt_state, local if local_update else params)
-      found.append([_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)])
-      return jnp.zeros(())
-
-    global_shapes = jax.eval_shape(
-        jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs), out_specs=P()),
-                   params, global_shapes)
-    return found[0]
-
-  def init(params):
-    specs = state_specs(params)
-    return jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)
-
-  def abstract_state(params):
-    return jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-        jax.eval_shape(init, params), state_specs(params))
-
-  def step(params, opt_state, batch, *args):
-    global_params = _global_params(opt_state)
-    local_update = global_params is not None
-    stacked = local_update and _is_stacked(params, global_params, mesh, names)
-    one_copy = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
-    specs = state_specs(one_copy if stacked else params)
+    # With the model axes explicit, the new params and state keep their layout there.
+    update = model_axes.with_model_axes(update, model, (param_specs, model_specs, param_specs))
 
     def device_step(params, opt_state, batch, *args):
       if stacked:
@@ -232,29 +225,132 @@ def data_parallel(
       value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
       # The parameters updated: this device's own with a local-update optimizer, else the
       # replicated ones, which the averaged updates keep replicated.
-      updated = local if local_update else params
-      updates, opt_state = optimizer.update(grads, opt_state, updated)
+      new_params, opt_state = update(grads, opt_state, local if local_update else params)
       if local_update:
-        new_params = jax.tree.map(lambda x: x[None], optax.apply_updates(updated, updates))
-      else:
-        _check_averaged(updates, names)
-        new_params = optax.apply_updates(updated, updates)
+        new_params = jax.tree.map(lambda x: x[None], new_params)
       return new_params, opt_state, _device_mean(value, names)
 
-    batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
-    # A scalar has no dimension to split: every device gets it whole.
-    batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
-    return jax.shard_map(
-        device_step, mesh=mesh,
-        in_specs=(split if stacked else P(), specs, batch_specs, *(P() for _ in args)),
-        out_specs=(split if local_update else P(), specs, P()),
-    )(params, opt_state, batch, *args)
+    params_out = split if local_update else P()
+    full = (model_axes.full_specs(_like(param_specs, params_out), param_specs),
+            model_axes.full_specs(data_specs, model_specs), P())
 
-  return DataParallel(
-      init=jax.jit(init),
-      step=jax.jit(step, donate_argnums=(0, 1) if donate else ()),
-      abstract_state=abstract_state,
-  )
+    def step(params, opt_state, batch, *args):
+      _check_batch(batch, mesh, (*names, *batch_axes))
+      batch = jax.tree.map(lambda x: _split(x, mesh, P((*names, *batch_axes))), batch)
+      # A scalar has no dimension to split: every device gets it whole.
+      batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
+      return _mapped(device_step, mesh, names, model,
+                     (split if stacked else P(), data_specs, batch_specs, *(P() for _ in args)),
+                     (params_out, data_specs, P()), full)(params, opt_state, batch, *args)
+
+    # Over model axes the outputs keep the inputs' layout, which the compiler would choose
+    # otherwise.
+    return jax.jit(step, donate_argnums=(0, 1) if donate else (),
+                   out_shardings=_named(mesh, full) if model else None)
+
+  def specs_of(params, opt_state=None):
+    """The static layout a program is made for: one copy of the params, abstract, their
+    specs over the model axes and, for a step, whether they are stacked copies and the
+    optimizer a local-update one."""
+    global_params = None if opt_state is None else _global_params(opt_state)
+    stacked = global_params is not None and _is_stacked(params, global_params, mesh, names)
+    one_copy = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:] if stacked else jnp.shape(x),
+                                       jnp.result_type(x)), params)
+    param_specs = (model_axes.param_specs(params, mesh, names, "data_parallel", stacked=stacked)
+                   if model else jax.tree.map(lambda _: P(), params))
+    return one_copy, param_specs, stacked, global_params is not None
+
+  def abstract_state(params):
+    one_copy, param_specs, _, _ = specs_of(params)
+    data_specs, model_specs = layout.specs(one_copy, param_specs)
+    full = model_axes.full_specs(data_specs, model_specs)
+    return jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
+        jax.eval_shape(make_init(one_copy, param_specs), params), full)
+
+  init = _Programs(make_init, lambda params: specs_of(params)[:2])
+  step = _Programs(make_step, specs_of)
+  return DataParallel(init=init, step=step, abstract_state=abstract_state)
+
+
+class _Programs:
+  """A jitted function for each static layout of its arguments, called or lowered alike.
+
+  ``make(*layout)`` builds the program for a layout; ``layout_of(*args)`` reads
+  the layout from the first arguments (shapes and shardings, not values).
+  """
+
+  def __init__(self, make, layout_of):
+    self._make, self._layout_of, self._programs = make, layout_of, {}
+
+  def _program(self, args):
+    layout = self._layout_of(*args[:2])
+    key = tuple((tuple(leaves), treedef) for leaves, treedef in (
+        jax.tree.flatten(part, is_leaf=lambda x: isinstance(x, P)) for part in layout))
+    # The params' shapes are part of the key (one copy, abstract): a program is traced for
+    # them, and the state laid out for them.
+    if key not in self._programs:
+      self._programs[key] = self._make(*layout)
+    return self._programs[key]
+
+  def __call__(self, *args):
+    return self._program(args)(*args)
+
+  def lower(self, *args):
+    """The program's ``jax.jit(...).lower(*args)``, for its compiled HLO."""
+    return self._program(args).lower(*args)
+
+
+def _mapped(fn, mesh: jax.sharding.Mesh, names, model, in_specs, out_specs, full_out_specs):
+  """``fn`` under ``jax.shard_map`` manual over the data axes ``names``.
+
+  Over model axes the compiler lays out what ``fn`` computes, and the mesh's
+  explicit ones are made automatic for it (their leaves' layouts kept).
+  """
+  if not model:
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  mapped = jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(names))
+  run = model_axes.auto_model_axes(mapped, mesh, model, full_out_specs)
+
+  def in_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return run(*args)
+
+  return in_mesh
+
+
+def _named(mesh: jax.sharding.Mesh, specs):
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def _like(tree, spec: P):
+  return jax.tree.map(lambda _: spec, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _check_batch_axes(batch_axes, model: tuple[str, ...]) -> tuple[str, ...]:
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  for name in batch_axes:
+    if name not in model:
+      raise ValueError(
+          f"data_parallel: batch_axes names {name!r}, which is not one of the mesh's axes "
+          f"beyond axis_name, {model}: the batch splits over axis_name and, within each data "
+          "group, over any of those (MaxText splits it over ('data', 'fsdp')).")
+  return batch_axes
+
+
+def _check_batch(batch, mesh: jax.sharding.Mesh, split_axes: tuple[str, ...]) -> None:
+  """Raises where a batch leaf's first dimension does not split over ``split_axes``."""
+  groups = math.prod(mesh.shape[name] for name in split_axes)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if jnp.ndim(leaf) and jnp.shape(leaf)[0] % groups:
+      raise ValueError(
+          f"data_parallel: batch leaf {jax.tree_util.keystr(path) or '<root>'} has "
+          f"{jnp.shape(leaf)[0]} rows along its first dimension, which do not split over "
+          f"the {groups} devices of the axes {split_axes}: give a batch whose first "
+          f"dimension is a multiple of {groups}.")
 
 
 def _split(x, mesh: jax.sharding.Mesh, spec: P):
@@ -271,34 +367,6 @@ def _split(x, mesh: jax.sharding.Mesh, spec: P):
   if isinstance(sharding, NamedSharding) and sharding.spec[:1] == spec[:1]:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-
-
-def _per_device_specs(shapes, specs, varying, names: tuple[str, ...]):
-  """``(specs, changed)``: ``specs`` with each leaf that ``specs`` replicates but that
-  ``varying`` says varies over some of ``names`` laid out along those axes.
-
-  Raises:
-    ValueError: such a leaf is a scalar, which has no dimension to lay out.
-  """
-  is_spec = lambda node: isinstance(node, P)  # noqa: E731
-  spec_leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-  paths_and_shapes = jax.tree_util.tree_leaves_with_path(shapes)
-  out, changed = [], False
-  for (path, shape), spec, axes_of in zip(paths_and_shapes, spec_leaves, varying, strict=True):
-    if spec != P() or not axes_of:
-      out.append(spec)
-      continue
-    state_type = type(_innermost_state(shapes, path)).__name__
-    if len(shape.shape) == 0:
-      raise ValueError(
-          f"data_parallel: the optimizer's state{jax.tree_util.keystr(path)}, a scalar in "
-          f"a {state_type}, differs per device over {axes_of} after the update, and a "
-          "scalar has no dimension to lay out along the axis (state_partition_specs does "
-          f"not know {state_type}). Keep that per-device value in an array of shape (1,), "
-          "or make the state the same on every device (average what it holds).")
-    out.append(P(axes_of if len(axes_of) > 1 else axes_of[0]))
-    changed = True
-  return jax.tree.unflatten(treedef, out), changed
 
 
 def _global_params(state):
@@ -345,34 +413,11 @@ def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str
   return kinds == {True}
 
 
-def _innermost_state(tree, path):
-  """The innermost NamedTuple (an optax state) on ``path`` from ``tree``'s root."""
-  owner = node = tree
-  for entry in path[:-1]:
-    if isinstance(entry, jax.tree_util.GetAttrKey):
-      node = getattr(node, entry.name)
-    elif isinstance(entry, jax.tree_util.SequenceKey):
-      node = node[entry.idx]
-    elif isinstance(entry, jax.tree_util.DictKey):
-      node = node[entry.key]
-    else:  # A custom node's child: the state found so far names it.
-      break
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-      owner = node
-  return owner
-
-
-def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:
-  """Those of ``names`` that ``x`` varies over, in their order."""
-  varying = axes.varying_axes(x)
-  return tuple(name for name in names if name in varying)
-
-
 def _device_mean(tree, names: tuple[str, ...]):
   """Each leaf averaged with ``lax.pmean`` over the axes it differs along; others as they are."""
 
   def mean(x):
-    varying = _varying_axes(x, names)
+    varying = state_layout.varying_over(x, names)
     return jax.lax.pmean(x, varying) if varying else x
 
   return jax.tree.map(mean, tree)
@@ -380,7 +425,7 @@ def _device_mean(tree, names: tuple[str, ...]):
 
 def _check_averaged(updates, names: tuple[str, ...]) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
-    varying = _varying_axes(leaf, names)
+    varying = state_layout.varying_over(leaf, names)
     if varying:
       raise ValueError(
           f"data_parallel: the optimizer's update of {jax.tree_util.keystr(path) or 'params'} "

@@ -1,0 +1,134 @@
+"""Each device's own shard of leaves laid out over mesh axes beyond a transform's own.
+
+On a mesh whose model is sharded over fast axes (``fsdp``, ``tensor``) inside
+each data group, an average over the slow ``data`` axis runs inside a
+``jax.shard_map`` manual over ``data`` alone. There each leaf is whole over
+the other axes, and a compressor that flattens leaves into buckets would make
+the compiler gather every leaf over them first. This module reads, from the
+leaves' explicit sharding types (``jax.typeof(leaf).sharding``), the axes
+each leaf is laid out over (its *shard axes*), groups the leaves by them, and
+runs a function on each device's own shards of a group: a ``jax.shard_map``
+manual over the group's axes, nested in the caller's, so that what is
+compressed and sent is the device's own and no bucket spans two shards.
+
+A leaf laid out over no axis beyond the transform's own is in the group of
+no axes, run as it is: under ``jax.pmap``, or a ``jax.shard_map`` manual over
+every mesh axis, every leaf is, and nothing changes.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+
+class ShardGroup(NamedTuple):
+  """Leaves laid out over the same mesh axes.
+
+  Attributes:
+    axes: the mesh axes the group's leaves are laid out over, in the mesh's
+      order; empty for leaves whole on every device.
+    members: the leaves' indices (in the order of the leaves grouped).
+    specs: each member's ``PartitionSpec`` over ``axes``, one an array
+      dimension.
+  """
+
+  axes: tuple[str, ...]
+  members: tuple[int, ...]
+  specs: tuple[P, ...]
+
+
+def group(leaves: Sequence[Any], owner: str) -> tuple[ShardGroup, ...]:
+  """The leaves grouped by the mesh axes they are laid out over, beyond the manual ones.
+
+  Args:
+    leaves: arrays (traced or not) or ``jax.ShapeDtypeStruct``.
+    owner: the caller, named in errors.
+
+  Returns:
+    The groups, those of fewer axes first (a group of no axes first of all);
+    none for no leaves.
+
+  Raises:
+    ValueError: a mesh axis of more than one device is neither manual nor
+      explicit (its layout is the compiler's, unknown here).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    unknown = [name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+               if kind == AxisType.Auto and mesh.shape[name] > 1]
+    if unknown:
+      raise ValueError(
+          f"{owner}: the mesh axes {tuple(unknown)} are neither manual here nor explicit: "
+          "their layout is the compiler's (AxisType.Auto), so each device's own shard of a "
+          "leaf cannot be found, and a compressed average would gather every leaf over them "
+          "first. Run the update under jax.sharding.explicit_axes(update, axes="
+          f"{tuple(unknown)!r}, in_sharding=...) given the leaves' PartitionSpecs (as "
+          "qsgd_jax.data_parallel does), make those mesh axes AxisType.Explicit, or make the "
+          "jax.shard_map manual over them too.")
+  by_axes: dict[tuple[str, ...], list[tuple[int, P]]] = {}
+  for i, leaf in enumerate(leaves):
+    spec = spec_of(leaf)
+    used = {name for entry in spec for name in _names(entry)}
+    shard_axes = tuple(name for name in mesh.axis_names if name in used) if used else ()
+    by_axes.setdefault(shard_axes, []).append((i, spec))
+  return tuple(
+      ShardGroup(axes=shard_axes, members=tuple(i for i, _ in found),
+                 specs=tuple(spec for _, spec in found))
+      for shard_axes, found in sorted(by_axes.items(), key=lambda item: (len(item[0]), item[0])))
+
+
+def spec_of(leaf) -> P:
+  """``leaf``'s ``PartitionSpec`` over explicit mesh axes, one entry a dimension (``None``
+  where a dimension is whole); all ``None`` outside explicit sharding."""
+  sharding = getattr(jax.typeof(leaf), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  ndim = len(jax.typeof(leaf).shape)
+  return P(*spec, *([None] * (ndim - len(spec))))
+
+
+def local_shape(shape: Sequence[int], spec: P) -> tuple[int, ...]:
+  """The shape of one device's shard of an array of ``shape`` laid out by ``spec``, over
+  the mesh set now (``jax.sharding.get_abstract_mesh``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(size // math.prod(mesh.shape[name] for name in _names(entry))
+               for size, entry in zip(shape, spec, strict=True))
+
+
+def own_shards(fn: Callable, shard_axes: tuple[str, ...], specs: Sequence[P], leaves,
+               per_device=(), shared=()):
+  """``fn(leaves, per_device, shared)`` on this device's own shards, with ``shard_axes``
+  manual.
+
+  Args:
+    fn: returns ``(leaves, per_device, shared)``: the leaves as it was given
+      them, and pytrees of per-device and of shared arrays (not necessarily
+      those it was given), ``shared`` typed invariant over ``shard_axes``
+      (reduce what differs from shard to shard over them).
+    shard_axes: the mesh axes to make manual; none calls ``fn`` as it is.
+    specs: each leaf's ``PartitionSpec`` over ``shard_axes``.
+    leaves: a list of arrays, laid out by ``specs``.
+    per_device: a pytree of arrays of one or more dimensions, each device's
+      own along all of ``shard_axes`` (its first dimension split over them).
+    shared: a pytree of arrays the same on every device of ``shard_axes``.
+
+  Returns:
+    What ``fn`` returns, laid out as its inputs were.
+  """
+  if not shard_axes:
+    return fn(leaves, per_device, shared)
+  # Prefixes: one spec lays out every array of per_device (and of shared), whatever trees
+  # fn takes and returns there.
+  specs = (list(specs), P(shard_axes), P())
+  return jax.shard_map(fn, in_specs=specs, out_specs=specs,
+                       axis_names=set(shard_axes))(list(leaves), per_device, shared)
+
+
+def _names(entry) -> tuple[str, ...]:
+  """The mesh axes of one entry of a ``PartitionSpec``."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
