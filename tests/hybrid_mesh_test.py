@@ -208,3 +208,18 @@ def test_an_update_over_automatic_model_axes_is_an_error():
   with pytest.raises(ValueError, match=r"\('fsdp', 'tensor'\) are neither manual .*explicit_axes"):
     jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
                           axis_names={"data"}))(_params(mesh), _batch())
+
+
+def test_diloco_keeps_a_copy_a_data_group_laid_out_as_the_params():
+  mesh = _mesh()
+  average = qsgd_jax.qsgd("data", bits=4, error_feedback=True)
+  tx = qsgd_jax.diloco(optax.adam(1e-2), "data", sync_every=2, outer_optimizer=optax.sgd(1.0),
+                       average=average)
+  params, state, hlo, _ = _run(tx, mesh, steps=3)
+  # Each data group's own copy, stacked along the data axis; the global copy as the params.
+  assert _specs(params) == {name: P("data", *spec) for name, spec in SPECS.items()}
+  assert _specs(state.global_params) == SPECS
+  assert _specs(state.inner_state[0].mu) == _specs(params)
+  _data_replicas_agree(state.global_params)
+  assert not [c for c in qsgd_jax.collectives_in_hlo(hlo)
+              if c.crosses(mesh, MODEL) and c.result_type.startswith(("u32", "(u32"))]

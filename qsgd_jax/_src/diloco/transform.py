@@ -337,7 +337,7 @@ def diloco(
   def make_state(params, global_params):
     members, _ = plan(params)
     leaves = jax.tree.leaves(global_params)
-    zeros = [jnp.zeros(x.shape, jnp.float32) for x in leaves]
+    zeros = [jnp.zeros_like(x, jnp.float32) for x in leaves]  # In the params' layout.
     return DiLoCoState(
         count=jnp.zeros((), jnp.int32),
         stats=stats.empty(),

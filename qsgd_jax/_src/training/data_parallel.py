@@ -231,7 +231,11 @@ def data_parallel(
       return new_params, opt_state, _device_mean(value, names)
 
     params_out = split if local_update else P()
-    full = (model_axes.full_specs(_like(param_specs, params_out), param_specs),
+    # A local-update optimizer's params: a copy a data group, stacked along a new first
+    # dimension, each copy laid out as the params.
+    stacked_specs = jax.tree.map(lambda spec: P(axis, *spec), param_specs,
+                                 is_leaf=lambda x: isinstance(x, P))
+    full = (stacked_specs if local_update else param_specs,
             model_axes.full_specs(data_specs, model_specs), P())
 
     def step(params, opt_state, batch, *args):
@@ -324,10 +328,6 @@ def _mapped(fn, mesh: jax.sharding.Mesh, names, model, in_specs, out_specs, full
 def _named(mesh: jax.sharding.Mesh, specs):
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                       is_leaf=lambda x: isinstance(x, P))
-
-
-def _like(tree, spec: P):
-  return jax.tree.map(lambda _: spec, tree, is_leaf=lambda x: isinstance(x, P))
 
 
 def _check_batch_axes(batch_axes, model: tuple[str, ...]) -> tuple[str, ...]:
