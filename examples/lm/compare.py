@@ -174,6 +174,46 @@ def table(runs: list[dict]) -> str:
   return "\n".join(rows) + "\n"
 
 
+HYBRID_COLUMNS = ("| mode | held-out loss | vs fp32 | vs bf16 | across data, bytes/step | vs fp32 "
+                  "| vs bf16 | inside a group, bytes/step | vs fp32 | params, bytes a device "
+                  "| state, bytes a device |")
+
+
+def across_data_bytes(run: dict) -> float:
+  """What one device sends a step across the data axis (the compiled step's collectives whose
+  groups span it): DiLoCo's mean over a round (a sync's exchange every ``sync_every`` steps,
+  a metric's mean between), a compressed Adam's after its freeze (its fewest)."""
+  least, most = run["hlo_across_data_bytes_least"], run["hlo_across_data_bytes_most"]
+  if run.get("optimizer") == "diloco":
+    return least + (most - least) * run["fragments"] / run["sync_every"]
+  return least
+
+
+def hybrid_table(runs: list[dict]) -> str:
+  """A markdown table of runs on a mesh of data groups whose model is sharded (``hybrid``):
+  bytes a step across the data axis and inside a group, and the bytes a device holds, each
+  against the ``fp32`` run (the compiler's own step) and the ``bf16`` one."""
+  rows = [HYBRID_COLUMNS, "|" + "---|" * (HYBRID_COLUMNS.count("|") - 1)]
+  found = baselines(runs)
+
+  def ratio(name: str, run: dict, of) -> str:
+    return "-" if name not in found else f"{of(found[name]) / of(run):.1f}x"
+
+  def inside(run):
+    return run["hlo_inside_data_bytes_least"]
+
+  for run in runs:
+    differences = [run.get(f"eval_loss_minus_{name}") for name in BASELINES]
+    rows.append(
+        f"| {run['mode'] + _mode_note(run)} | {run['eval_loss']:.4f} "
+        + "".join("| - " if d is None else f"| {d:+.4f} " for d in differences)
+        + f"| {across_data_bytes(run):,.0f} | {ratio('fp32', run, across_data_bytes)} "
+        f"| {ratio('bf16', run, across_data_bytes)} | {inside(run):,.0f} "
+        f"| {ratio('fp32', run, inside)} | {run['param_bytes_per_device']:,.0f} "
+        f"| {run['state_bytes_per_device']:,.0f} |")
+  return "\n".join(rows) + "\n"
+
+
 def bytes_sent(records: list[dict], steps: list[int], default: float) -> list[float]:
   """Bytes one device sent up to each of ``steps``, from the logged bytes a step.
 
@@ -240,7 +280,8 @@ def main(argv):
   reused = [mode for mode, summary in summaries.items() if summary is not None]
   runs = [{"mode": mode, **(summaries[mode] or
                             train.train_and_evaluate(config, str(workdir / mode))),
-           **({"diloco_workers": config.diloco_workers} if config.optimizer == "diloco" else {})}
+           **({"diloco_workers": config.diloco_workers, "sync_every": config.sync_every,
+               "fragments": config.fragments} if config.optimizer == "diloco" else {})}
           for mode, config in zip(FLAGS.modes, configs, strict=True)]
   wall = time.perf_counter() - start
   runs = compared(runs)
@@ -268,16 +309,24 @@ def main(argv):
   )
   report = json.dumps({"config": config.to_dict(), "wall_seconds": wall, "runs": runs},
                       indent=2) + "\n"
-  (workdir / "comparison.md").write_text(header + table(runs))
+  tables = table(runs)
+  if all("hlo_across_data_bytes_least" in run for run in runs):
+    tables += (
+        "\nOn the mesh of data groups: bytes one device sends a step across the data axis "
+        "(collectives whose groups span it: the slow links) and inside its group, read from "
+        "the compiled step, against the fp32 run's (the compiler's own float32 step); bytes a "
+        "device holds of the parameters and of the optimizer's state.\n\n"
+        + hybrid_table(runs))
+  (workdir / "comparison.md").write_text(header + tables)
   (workdir / "comparison.json").write_text(report)
   figure = plot(workdir, runs)
   if FLAGS.results:
     prefix = pathlib.Path(FLAGS.results)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".md").write_text(header + table(runs))
+    prefix.with_suffix(".md").write_text(header + tables)
     prefix.with_suffix(".json").write_text(report)
     prefix.with_suffix(".png").write_bytes(figure.read_bytes())
-  print(header + table(runs))
+  print(header + tables)
 
 
 if __name__ == "__main__":

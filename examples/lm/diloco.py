@@ -35,8 +35,9 @@ WORKERS = "workers"
 OUTER_AVERAGES = ("fp32", "bf16", "qsgd8_ef", "qsgd4_ef", "qsgd2_ef", "onebit")
 
 
-def outer_average(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
-  """How the outer gradients are averaged over the workers, from ``config.outer_average``:
+def outer_average(config: ml_collections.ConfigDict,
+                  workers_axis: str = WORKERS) -> optax.GradientTransformation | None:
+  """How the outer gradients are averaged over ``workers_axis``, from ``config.outer_average``:
   ``None`` (a float32 ``pmean``) for ``fp32``; error feedback for the quantized ones, so that
   what a round's rounding misses goes into the next round."""
   options = dict(key=config.seed, min_compressed_size=config.min_compressed_size)
@@ -44,27 +45,29 @@ def outer_average(config: ml_collections.ConfigDict) -> optax.GradientTransforma
     case "fp32":
       return None
     case "bf16":
-      return qsgd_jax.compressed_allreduce(qsgd_jax.Cast(jnp.bfloat16), WORKERS, **options)
+      return qsgd_jax.compressed_allreduce(qsgd_jax.Cast(jnp.bfloat16), workers_axis, **options)
     case "qsgd8_ef" | "qsgd4_ef" | "qsgd2_ef":
       bits = int(config.outer_average.removeprefix("qsgd").removesuffix("_ef"))
-      return qsgd_jax.qsgd(WORKERS, bits=bits, error_feedback=True,
+      return qsgd_jax.qsgd(workers_axis, bits=bits, error_feedback=True,
                            bucket_size=config.bucket_size, **options)
     case "onebit":
-      return qsgd_jax.onebit_sgd(WORKERS, bucket_size=config.bucket_size, **options)
+      return qsgd_jax.onebit_sgd(workers_axis, bucket_size=config.bucket_size, **options)
   raise ValueError(f"config.outer_average must be one of {', '.join(OUTER_AVERAGES)}; got "
                    f"{config.outer_average!r}.")
 
 
 def optimizer(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
-              axis: str) -> optax.GradientTransformation:
-  """``qsgd_jax.diloco`` over the workers, ``inner`` (a worker's data-parallel AdamW over
-  ``axis``) inside; with ``config.outer_split`` the exchange split over ``axis``."""
+              axis: str, workers_axis: str = WORKERS) -> optax.GradientTransformation:
+  """``qsgd_jax.diloco`` over ``workers_axis``, ``inner`` (a worker's data-parallel AdamW over
+  ``axis``, or where a worker's model is sharded (``hybrid.py``), AdamW on its gradient)
+  inside; with ``config.outer_split`` the exchange split over ``axis``."""
   momentum = config.outer_momentum or None
   outer = optax.sgd(config.outer_learning_rate, momentum=momentum,
                     nesterov=bool(momentum and config.outer_nesterov))
   return qsgd_jax.diloco(
-      inner, WORKERS, sync_every=config.sync_every, outer_optimizer=outer,
-      average=outer_average(config), fragments=config.fragments, delay=config.fragment_delay,
+      inner, workers_axis, sync_every=config.sync_every, outer_optimizer=outer,
+      average=outer_average(config, workers_axis), fragments=config.fragments,
+      delay=config.fragment_delay,
       alpha=config.fragment_alpha, split_axis=axis if config.outer_split else None)
 
 

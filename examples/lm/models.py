@@ -11,6 +11,13 @@ projections that write into the residual stream scaled by
 ``dtype`` is the computation's dtype (``jnp.bfloat16`` for mixed precision);
 the parameters stay float32 and the logits come back float32.
 
+With ``logical_axes``, every parameter is annotated with the logical names of
+its axes, as Flax's ``lm1b`` names them (``embed``, ``mlp``, ``heads``, ``kv``,
+``vocab``; ``nn.with_logical_partitioning``): ``init`` then returns them boxed
+(``nn.unbox`` them), and ``nn.get_partition_spec`` with
+``nn.logical_to_mesh_sharding`` lays them out over a mesh by a table of rules
+(``hybrid.py``).
+
 For FSDP, ``gather`` makes each layer (a block, an embedding, the head) gather
 its own parameters from this device's shards just before it runs. The blocks
 and the head do it inside ``nn.remat`` with ``qsgd_jax.fsdp_remat_policy``, so
@@ -37,6 +44,11 @@ VOCAB_SIZE = 256  # Bytes.
 INIT_STDDEV = 0.02
 
 
+def _named(init, names: tuple[str | None, ...], logical_axes: bool):
+  """``init``, its parameter's axes named ``names`` when ``logical_axes``."""
+  return nn.with_logical_partitioning(init, names) if logical_axes else init
+
+
 def powersgd_matrix_view(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, int]:
   """The matrix PowerSGD sees of each kernel here: its layer's input-to-output map.
 
@@ -57,11 +69,13 @@ class CausalSelfAttention(nn.Module):
     num_heads: heads; the width must be a multiple.
     residual_init: initializer of the output projection.
     dtype: the computation's dtype.
+    logical_axes: whether to name the parameters' axes (see the module).
   """
 
   num_heads: int
   residual_init: Any
   dtype: Any = jnp.float32
+  logical_axes: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -71,12 +85,18 @@ class CausalSelfAttention(nn.Module):
       raise ValueError(f"width {width} is not a multiple of num_heads {self.num_heads}.")
     head_width = width // self.num_heads
     # One kernel for queries, keys and values: [width, 3, heads, head_width].
-    qkv = nn.DenseGeneral((3, self.num_heads, head_width), dtype=self.dtype,
-                          kernel_init=nn.initializers.normal(INIT_STDDEV), name="qkv")(x)
+    logical = self.logical_axes
+    qkv = nn.DenseGeneral(
+        (3, self.num_heads, head_width), dtype=self.dtype,
+        kernel_init=_named(nn.initializers.normal(INIT_STDDEV), ("embed", None, "heads", "kv"),
+                           logical),
+        bias_init=_named(nn.initializers.zeros, (None, "heads", "kv"), logical), name="qkv")(x)
     query, key, value = (qkv[..., i, :, :] for i in range(3))
     y = jax.nn.dot_product_attention(query, key, value, is_causal=True)
-    return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype,
-                           kernel_init=self.residual_init, name="out")(y)
+    return nn.DenseGeneral(
+        width, axis=(-2, -1), dtype=self.dtype,
+        kernel_init=_named(self.residual_init, ("heads", "kv", "embed"), logical),
+        bias_init=_named(nn.initializers.zeros, ("embed",), logical), name="out")(y)
 
 
 class Block(nn.Module):
@@ -87,25 +107,30 @@ class Block(nn.Module):
     residual_init: initializer of the projections into the residual stream.
     mlp_ratio: the MLP's hidden width over the model's width.
     dtype: the computation's dtype.
+    logical_axes: whether to name the parameters' axes (see the module).
   """
 
   num_heads: int
   residual_init: Any
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
+  logical_axes: bool = False
 
   @nn.compact
   def __call__(self, x):
-    width = x.shape[-1]
+    width, logical = x.shape[-1], self.logical_axes
     normed = nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x)
-    x = x + CausalSelfAttention(self.num_heads, self.residual_init, self.dtype,
+    x = x + CausalSelfAttention(self.num_heads, self.residual_init, self.dtype, logical,
                                 name="attention")(normed)
     normed = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
-    hidden = nn.Dense(self.mlp_ratio * width, dtype=self.dtype,
-                      kernel_init=nn.initializers.normal(INIT_STDDEV), name="mlp_in")(normed)
+    hidden = nn.Dense(
+        self.mlp_ratio * width, dtype=self.dtype,
+        kernel_init=_named(nn.initializers.normal(INIT_STDDEV), ("embed", "mlp"), logical),
+        bias_init=_named(nn.initializers.zeros, ("mlp",), logical), name="mlp_in")(normed)
     hidden = nn.gelu(hidden)
-    return x + nn.Dense(width, dtype=self.dtype, kernel_init=self.residual_init,
-                        name="mlp_out")(hidden)
+    return x + nn.Dense(
+        width, dtype=self.dtype, kernel_init=_named(self.residual_init, ("mlp", "embed"), logical),
+        bias_init=_named(nn.initializers.zeros, ("embed",), logical), name="mlp_out")(hidden)
 
 
 class TransformerLM(nn.Module):
@@ -125,6 +150,7 @@ class TransformerLM(nn.Module):
       parameters' tree is the same either way: initialize without it.
     gather_collections: the variable collections ``gather`` gets, those of
       them that the layer has.
+    logical_axes: whether to name the parameters' axes (see the module).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -143,6 +169,7 @@ class TransformerLM(nn.Module):
   dtype: Any = jnp.float32
   gather: Callable | None = None
   gather_collections: tuple[str, ...] = ("params",)
+  logical_axes: bool = False
 
   def _gathering(self, module_class: type[nn.Module], remat: bool = True) -> type[nn.Module]:
     """``module_class``, gathering its parameters just before it runs if there is ``gather``
@@ -162,18 +189,20 @@ class TransformerLM(nn.Module):
     length = tokens.shape[-1]
     if length > self.context_length:
       raise ValueError(f"{length} tokens exceed the context_length {self.context_length}.")
-    embed_init = nn.initializers.normal(INIT_STDDEV)
+    embed_init, logical = nn.initializers.normal(INIT_STDDEV), self.logical_axes
     embed = self._gathering(nn.Embed, remat=False)
-    x = embed(VOCAB_SIZE, self.width, embedding_init=embed_init, name="token_embedding")(tokens)
-    x = x + embed(self.context_length, self.width, embedding_init=embed_init,
-                  name="position_embedding")(jnp.arange(length))
+    x = embed(VOCAB_SIZE, self.width, name="token_embedding",
+              embedding_init=_named(embed_init, ("vocab", "embed"), logical))(tokens)
+    x = x + embed(self.context_length, self.width, name="position_embedding",
+                  embedding_init=_named(embed_init, (None, "embed"), logical))(jnp.arange(length))
     x = x.astype(self.dtype)
     residual_init = nn.initializers.normal(INIT_STDDEV / (2 * self.num_layers) ** 0.5)
     block = self._gathering(Block)
     for layer in range(self.num_layers):
-      x = block(self.num_heads, residual_init, self.mlp_ratio, self.dtype,
+      x = block(self.num_heads, residual_init, self.mlp_ratio, self.dtype, logical,
                 name=f"block_{layer}")(x)
     x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
-    logits = self._gathering(nn.Dense)(VOCAB_SIZE, dtype=self.dtype, kernel_init=embed_init,
-                                       name="head")(x)
+    logits = self._gathering(nn.Dense)(
+        VOCAB_SIZE, dtype=self.dtype, kernel_init=_named(embed_init, ("embed", "vocab"), logical),
+        bias_init=_named(nn.initializers.zeros, ("vocab",), logical), name="head")(x)
     return logits.astype(jnp.float32)

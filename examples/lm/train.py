@@ -12,7 +12,10 @@ devices' own gradients in its ``update`` and plugs in beside AdamW in
 is a ``jax.jit`` step over a mesh made by ``qsgd_jax.data_parallel``
 (``config.parallelism``). With ``fsdp``, parameters and AdamW's moments are
 sharded over the devices instead, and the gradient is averaged by the
-compressed reduce-scatter of ``qsgd_jax.fsdp_gather`` (``fsdp.py``).
+compressed reduce-scatter of ``qsgd_jax.fsdp_gather`` (``fsdp.py``). With
+``hybrid``, the model is sharded over ``fsdp`` and ``tensor`` axes inside each
+data group, by logical axis rules, and the gradients are averaged over the
+data axis between groups (``hybrid.py``).
 
 The state is checkpointed with orbax every ``config.checkpoint_every_steps``
 steps and at the end, into ``workdir/checkpoints``; a run started in a
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -41,11 +45,11 @@ from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from examples.lm import diloco as diloco_lib
-from examples.lm import fsdp, input_pipeline, models
+from examples.lm import fsdp, hybrid, input_pipeline, models
 
 AXIS = "batch"
 AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit", "powersgd")
-PARALLELISMS = ("pmap", "shard_map", "jit", "fsdp")
+PARALLELISMS = ("pmap", "shard_map", "jit", "fsdp", "hybrid")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -53,13 +57,14 @@ def create_model(config: ml_collections.ConfigDict) -> models.TransformerLM:
   """The transformer ``config`` describes."""
   return models.TransformerLM(
       num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
-      context_length=config.context_length, dtype=DTYPES[config.dtype])
+      context_length=config.context_length, dtype=DTYPES[config.dtype],
+      logical_axes=config.parallelism == "hybrid")
 
 
 def initialized(key: jax.Array, model: models.TransformerLM):
   """The model's initial ``params``."""
   tokens = jnp.zeros((1, model.context_length), jnp.int32)
-  return _jitted_init(model)(key, tokens)["params"]
+  return nn.unbox(_jitted_init(model)(key, tokens)["params"])
 
 
 @functools.cache
@@ -86,17 +91,21 @@ def weight_decay_mask(params):
                        if isinstance(entry, jax.tree_util.DictKey)][-1] == "kernel", params)
 
 
-def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
   """The transform that averages the gradients over ``AXIS``, as ``config.average`` says.
 
   ``fp32`` and ``bf16`` go through the library too, so that every mode
-  reports what it sends the same way (:func:`qsgd_jax.compression_stats`).
+  reports what it sends the same way (:func:`qsgd_jax.compression_stats`),
+  but for ``fp32`` under ``hybrid`` parallelism: there the compiler averages,
+  the baseline the hybrid modes are measured against, and this is ``None``.
   ``qsgd4_ef`` keeps each device's quantization residual and adds it to its
   next gradient (error feedback); ``onebit`` always does.
   """
   options = dict(key=config.seed, min_compressed_size=config.min_compressed_size)
   qsgd_options = dict(bucket_size=config.bucket_size, track_elias=config.track_elias, **options)
   match config.average:
+    case "fp32" if config.parallelism == "hybrid":
+      return None
     case "fp32":
       return qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), AXIS, **options)
     case "bf16":
@@ -138,7 +147,8 @@ def averaged_adamw(config: ml_collections.ConfigDict,
     average, clip_by_global_norm = [], functools.partial(fsdp.clip_by_global_norm,
                                                          axis_name=AXIS)
   else:
-    average, clip_by_global_norm = [gradient_averaging(config)], optax.clip_by_global_norm
+    average = [gradient_averaging(config)] if gradient_averaging(config) else []
+    clip_by_global_norm = optax.clip_by_global_norm
   clip = [clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm > 0 else []
   return optax.chain(
       *average,
@@ -165,7 +175,15 @@ def onebit_adam(config: ml_collections.ConfigDict,
   return optax.chain(*local_clipping(config), qsgd_jax.onebit_adam(
       learning_rate_fn, AXIS, freeze_step=_freeze_step(config), b1=config.b1, b2=config.b2,
       eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
-      min_compressed_size=config.min_compressed_size, axis_size=jax.device_count()))
+      min_compressed_size=config.min_compressed_size, axis_size=_data_groups(config)))
+
+
+def _data_groups(config: ml_collections.ConfigDict) -> int:
+  """The devices the compressed Adams average over: every one, or under ``hybrid`` one a data
+  group (the model's axes are the group's)."""
+  if config.parallelism == "hybrid":
+    return jax.device_count() // (config.fsdp_devices * config.tensor_devices)
+  return jax.device_count()
 
 
 def local_clipping(config: ml_collections.ConfigDict) -> list[optax.GradientTransformation]:
@@ -193,7 +211,7 @@ def zero_one_adam(config: ml_collections.ConfigDict,
       learning_rate_fn, AXIS, var_freeze_step=_freeze_step(config), b1=config.b1, b2=config.b2,
       eps=config.eps, weight_decay=config.weight_decay, mask=weight_decay_mask,
       local_step_clipper=1, min_compressed_size=config.min_compressed_size,
-      axis_size=jax.device_count()))
+      axis_size=_data_groups(config)))
 
 
 def diloco(config: ml_collections.ConfigDict,
@@ -205,6 +223,13 @@ def diloco(config: ml_collections.ConfigDict,
         f"config.average must be one of {', '.join(DILOCO_INNER_AVERAGES)} with "
         f"config.optimizer diloco (the average inside a worker keeps no per-device state), "
         f"got {config.average!r}.")
+  if config.parallelism == "hybrid":
+    # A worker is a data group, its model sharded over its devices: AdamW on its gradient,
+    # averaged by nothing, DiLoCo over the data axis.
+    inner_config = config.copy_and_resolve_references()
+    inner_config.average = "fp32"
+    return diloco_lib.optimizer(config, averaged_adamw(inner_config, learning_rate_fn), AXIS,
+                                workers_axis=AXIS)
   return diloco_lib.optimizer(config, averaged_adamw(config, learning_rate_fn), AXIS)
 
 
@@ -246,10 +271,11 @@ def diloco_metrics(opt_state: qsgd_jax.DiLoCoState) -> dict[str, jax.Array]:
   """What a DiLoCo step sent across workers (zero but at a fragment's exchange) and, inside
   a worker, what its gradient average sent (and a split exchange's gather of the parts)."""
   stats = qsgd_jax.compression_stats(opt_state)
-  inner = qsgd_jax.compression_stats(opt_state.inner_state)
+  inner = qsgd_jax.compression_stats(opt_state.inner_state)  # None: a worker's model sharded.
   gathered = stats.wire_bits - stats.outer_wire_bits
+  inner_bits = 0.0 if inner is None else inner.wire_bits[0]
   return wire_metrics(opt_state) | {"wire_bytes": stats.outer_wire_bits / 8,
-                                    "inner_wire_bytes": (inner.wire_bits[0] + gathered) / 8}
+                                    "inner_wire_bytes": (inner_bits + gathered) / 8}
 
 
 def wire_metrics(opt_state) -> dict[str, jax.Array]:
@@ -333,10 +359,13 @@ class Mapped(NamedTuple):
     eval_step: ``(state, batch) -> sums``.
     put_batch: this process's numpy batch onto its devices.
     compile_programs: ``(state, batch) -> (program_at, programs)``, where the
-      host chooses each step's program (DiLoCo's ``diloco_events_on_host``):
-      ``program_at(count)`` is the compiled step to run after ``count``
-      steps, one of the list ``programs``, each a ``train_step`` compiled for
-      these arguments' shapes; ``None`` where ``train_step`` serves every step.
+      host chooses each step's program (DiLoCo's ``diloco_events_on_host``), or
+      the step reads the parameters' layout from them (``hybrid``):
+      ``program_at(count)`` is the step to run after ``count`` steps, and
+      ``programs`` the compiled programs it runs, compiled for these
+      arguments' shapes; ``None`` where ``train_step`` serves every step.
+    mesh: with ``hybrid`` parallelism, its mesh: the summary then splits the
+      bytes a step sends by whether they cross the data axis.
   """
 
   init: Callable
@@ -344,6 +373,7 @@ class Mapped(NamedTuple):
   eval_step: Callable
   put_batch: Callable
   compile_programs: Callable | None = None
+  mesh: jax.sharding.Mesh | None = None
 
 
 def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
@@ -372,6 +402,11 @@ def parallelize(config, model, tx, learning_rate_fn) -> Mapped:
   else:
     step = functools.partial(fsdp_train_step if fsdp_parallel else train_step,
                              learning_rate_fn=learning_rate_fn)
+
+  if config.parallelism == "hybrid":
+    metrics_of = diloco_metrics if config.optimizer == "diloco" else wire_metrics
+    return Mapped(*hybrid.parallelize(config, model, tx, loss_fn, metrics_of, learning_rate_fn,
+                                      AXIS))
 
   if config.optimizer == "diloco":
     step = functools.partial(diloco_lib.train_step, learning_rate_fn=learning_rate_fn,
@@ -538,6 +573,24 @@ def hlo_wire_bytes(programs) -> tuple[dict[str, float], dict[str, Any]]:
                    "least": least, "most": max(totals)}
 
 
+def hybrid_metrics(programs, mesh: jax.sharding.Mesh, state: TrainState) -> dict[str, float]:
+  """On a mesh of data groups (``hybrid``): the fewest and most bytes a step sends across the
+  data axis (the slow links between groups) and inside a group, read from the compiled
+  programs, and the bytes a device holds of the parameters and of the optimizer's state."""
+  found = {}
+  for where in ("across", "inside"):
+    least, most = [], []
+    for program in programs:
+      text = program.as_text()
+      across = qsgd_jax.wire_bytes_by_branch(text, mesh=mesh, across=AXIS)
+      whole = qsgd_jax.wire_bytes_by_branch(text)
+      least.append(across.least if where == "across" else whole.least - across.least)
+      most.append(across.most if where == "across" else whole.most - across.most)
+    found[f"hlo_{where}_data_bytes_least"] = min(least)
+    found[f"hlo_{where}_data_bytes_most"] = max(most)
+  return found | hybrid.state_bytes(state)
+
+
 def checkpoint_manager(workdir: pathlib.Path, config):
   """Orbax's manager of ``workdir/checkpoints``, or a null context if checkpoints are off.
 
@@ -635,6 +688,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     else:
       program_at, compiled_programs = mapped.compile_programs(state, batch)
     hlo_bytes, by_branch = hlo_wire_bytes(compiled_programs)
+    layout_metrics = (hybrid_metrics(compiled_programs, mapped.mesh, state)
+                      if mapped.mesh is not None else {})
     compile_seconds = time.perf_counter() - start
     # XLA's CPU collectives give up after a while: one step at a time there.
     block_every_step = jax.default_backend() == "cpu"
@@ -727,6 +782,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
       "hlo_wire_bytes_by_branch": by_branch,
+      **layout_metrics,
       "tokens_per_second": ((num_steps - first_step) * tokens_per_step / train_seconds
                             if train_seconds else None),
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,
@@ -766,9 +822,12 @@ def _check_config(config) -> None:
   _check_choice(config, "optimizer", tuple(OPTIMIZERS))
   _check_choice(config, "average", AVERAGES)
   _check_choice(config, "parallelism", PARALLELISMS)
-  if config.optimizer == "diloco" and config.parallelism != "shard_map":
+  if config.optimizer == "diloco" and config.parallelism not in ("shard_map", "hybrid"):
     raise ValueError("config.optimizer diloco runs under parallelism shard_map (over a mesh of "
-                     f"workers and their devices, diloco.py); got {config.parallelism!r}.")
+                     "workers and their devices, diloco.py) or hybrid (a worker a data group); "
+                     f"got {config.parallelism!r}.")
+  if config.parallelism == "hybrid":
+    _check_hybrid(config)
   if config.parallelism == "fsdp":
     _check_choice(config, "fsdp_weights", fsdp.WEIGHTS)
     if config.average not in fsdp.AVERAGES:
@@ -790,6 +849,21 @@ def _check_config(config) -> None:
   for field in ("num_train_steps", "log_every_steps", "eval_every_steps"):
     if config[field] <= 0:
       raise ValueError(f"config.{field} must be positive, got {config[field]}.")
+
+
+def _check_hybrid(config) -> None:
+  group = config.fsdp_devices * config.tensor_devices
+  if config.optimizer == "diloco" and config.diloco_workers * group != jax.device_count():
+    raise ValueError(
+        f"config.diloco_workers={config.diloco_workers} must be the number of data groups, "
+        f"{jax.device_count()} devices / (fsdp_devices * tensor_devices = {group}), under "
+        "parallelism hybrid: a worker is a data group.")
+  if config.optimizer == "diloco" and config.outer_split:
+    raise ValueError("config.outer_split does not apply under parallelism hybrid: a worker's "
+                     "devices already hold a shard each of the model and its outer gradient.")
+  if config.average not in ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit"):
+    raise ValueError(f"config.average {config.average!r} does not run under parallelism "
+                     "hybrid; use fp32 (the compiler's), bf16, qsgd4, qsgd8, qsgd4_ef or onebit.")
 
 
 def _metrics_before(path: pathlib.Path, first_step: int) -> list[dict[str, Any]]:

@@ -379,3 +379,22 @@ def test_the_comparison_reads_a_switched_step_as_its_lightest_and_heaviest_branc
   assert compare.hlo_bytes_range(older) == (3_555.0, 3_555.0)  # Recorded before the branches.
   rows = compare.table(compare.compared([fp32, run])).splitlines()
   assert "| 3,410 |" in rows[2] and "| 135-3,410 |" in rows[3]
+
+
+def test_a_hybrid_mesh_keeps_the_models_layout_and_sends_less_across_the_data_axis(tmp_path):
+  """``parallelism=hybrid``: 2 data groups of 2 x 2 devices, the model sharded inside each by
+  its logical axis rules; 4-bit error-feedback QSGD over the data axis."""
+  config = _config("qsgd4_ef", "hybrid")
+  config.checkpoint_every_steps = 0
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] < 5.4
+  _, _, _, mapped = train.programs(config)
+  state = mapped.init(train.initialized(jax.random.key(0), train.create_model(config)))
+  kernel = state.params["block_0"]["mlp_in"]["kernel"]  # ("embed", "mlp"): fsdp, tensor.
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert summary["param_bytes_per_device"] < 4 * summary["num_params"] / 3
+  # What crosses the data axis: the 4-bit exchange of each device's shards (and the metrics'
+  # means), well under the float32 all-reduce of a data group's whole gradient.
+  groups = jax.device_count() // 4
+  float32_across = 2 * (groups - 1) / groups * 4 * summary["num_params"] / 4
+  assert summary["hlo_across_data_bytes_least"] < float32_across / 3

@@ -47,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.powersgd_matrix_view = "layer"
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
-  config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), or fsdp.
+  config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), fsdp, hybrid.
 
   # diloco (examples/lm/diloco.py): the devices form this many workers, each training
   # data-parallel (config.average inside it) and syncing every sync_every steps: each fragment's
@@ -72,6 +72,11 @@ def get_config() -> ml_collections.ConfigDict:
   # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
   # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).
   config.fsdp_weights = "int8"
+  # hybrid (examples/lm/hybrid.py): each data group's devices shard the model over an "fsdp" and
+  # a "tensor" axis of these sizes, by logical axis rules as Flax lm1b's; the gradients (or
+  # DiLoCo's outer gradients, a worker a group) are averaged over the data axis between groups.
+  config.fsdp_devices = 2
+  config.tensor_devices = 2
 
   config.log_every_steps = 50
   config.eval_every_steps = 500  # And at the end.
