@@ -160,13 +160,14 @@ def test_a_hand_written_step_is_data_parallels():
       is_leaf=lambda x: isinstance(x, P))
   over_data = qsgd_jax.state_partition_specs(abstract_state(params), "data")
 
-  def train_step(params, state, x):
-    local = qsgd_jax.as_varying(params, "data")
-    grads = jax.grad(_loss)(local, x)
-    update = jax.sharding.explicit_axes(tx.update, axes=MODEL,
-                                        in_sharding=(SPECS, in_the_group, SPECS))
-    updates, state = update(grads, state, params)
+  @jax.sharding.explicit_axes(axes=MODEL, in_sharding=(SPECS, in_the_group, SPECS))
+  def update(grads, state, params):  # The params updated with the layout explicit too.
+    updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
+  def train_step(params, state, x):
+    grads = jax.grad(_loss)(qsgd_jax.as_varying(params, "data"), x)
+    return update(grads, state, params)
 
   hand = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), over_data, P("data")),
                                out_specs=(P(), over_data), axis_names={"data"}))
