@@ -185,6 +185,12 @@ def test_params_laid_out_over_the_data_axis_are_an_error():
     init(_params(mesh, {**SPECS, "w1": P("data", "fsdp")}))
 
 
+def test_a_data_axis_of_one_device_is_an_error():
+  mesh = jax.make_mesh((1, 4, 2), AXES, axis_types=(AxisType.Auto,) * 3)
+  with pytest.raises(ValueError, match=r"data axes \('data',\) have one device"):
+    qsgd_jax.data_parallel(_loss, qsgd_jax.qsgd("data"), mesh, "data")
+
+
 def test_a_batch_that_does_not_split_over_the_data_groups_is_an_error():
   mesh = _mesh()
   tx = optax.chain(qsgd_jax.qsgd("data"), optax.sgd(0.1))

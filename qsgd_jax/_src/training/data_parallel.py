@@ -194,6 +194,12 @@ def data_parallel(
           f"data_parallel: axis_name {name!r} is not an axis of the mesh, whose axes are "
           f"{tuple(mesh.axis_names)}.")
   model = model_axes.model_axes(mesh, names)
+  if model and math.prod(mesh.shape[name] for name in names) == 1:
+    raise ValueError(
+        f"data_parallel: the data axes {names} have one device, so there is nothing to average "
+        f"over them, and XLA's partitioner refuses a collective over a manual axis of one "
+        f"device beside the model axes {model}. Train without data parallel (a plain jax.jit "
+        "step over the mesh), or give the data axes more devices.")
   batch_axes = _check_batch_axes(batch_axes, model)
   axis = names if len(names) > 1 else names[0]
   split = P(axis)
