@@ -21,11 +21,12 @@ class DataParallel(NamedTuple):
   Attributes:
     init: ``init(params) -> opt_state``, jitted: the optimizer's state, laid
       out by :func:`~qsgd_jax.state_partition_specs` over the mesh.
-    step: ``step(params, opt_state, batch, *args) -> (params, opt_state,
-      value)``, jitted: one training step. ``value`` is the loss, or
-      ``(loss, aux)`` with ``has_aux``, averaged over the devices. With
-      :func:`~qsgd_jax.diloco` the params it returns are a copy a device,
-      stacked along a first dimension.
+    step: ``step(params, opt_state, batch, *args, events=None) -> (params,
+      opt_state, value)``, jitted: one training step. ``value`` is the loss,
+      or ``(loss, aux)`` with ``has_aux``, averaged over the devices. With
+      :func:`~qsgd_jax.diloco` the params it returns are a copy a worker,
+      stacked along a first dimension; ``events``, static, is passed to its
+      update (:func:`~qsgd_jax.diloco_events`).
     abstract_state: ``abstract_state(params)``: a ``jax.ShapeDtypeStruct`` for
       each array of ``init(params)``, its ``sharding`` the concrete
       ``NamedSharding`` that ``init`` and ``step`` give it; computes nothing.
@@ -102,13 +103,20 @@ def data_parallel(
   means, as from ``jax.lax.pmean``.
 
   A local-update optimizer, :func:`~qsgd_jax.diloco`, keeps parameters of
-  each device's own between syncs; ``step`` then returns them stacked, one
-  copy a device along a new first dimension laid out over ``axis_name``,
-  and takes either such copies or one copy (as ``init`` does, on the first
-  step; with ``donate`` its buffers cannot hold the copies, and JAX warns
-  that they were not used). Evaluate the global parameters, the
-  :class:`~qsgd_jax.DiLoCoState`'s ``global_params`` (``opt_state.global_params``
-  when ``diloco`` is the whole optimizer).
+  each worker's own between syncs; ``step`` then returns them stacked, one
+  copy a worker along a new first dimension, and takes either such copies
+  or one copy (as ``init`` does, on the first step; with ``donate`` its
+  buffers cannot hold the copies, and JAX warns that they were not used).
+  The workers lie along the first axis of ``axis_name`` and every other
+  axis the update makes the parameters differ over: on a two-level mesh
+  whose inner axis ``diloco``'s inner optimizer averages over, a copy a
+  node, laid out along the outer axis (the state then by
+  ``state_partition_specs(state, outer, split_axis=inner)``); with no
+  average inside, a copy a device. ``step(..., events=...)`` passes a
+  :func:`~qsgd_jax.diloco_events` to its update, a static argument: each
+  kind of step compiles a program of its own. Evaluate the global
+  parameters, the :class:`~qsgd_jax.DiLoCoState`'s ``global_params``
+  (``opt_state.global_params`` when ``diloco`` is the whole optimizer).
 
   The optimizer's state is laid out by :func:`~qsgd_jax.state_partition_specs`:
   per-device residuals along ``axis_name``, the rest replicated. A state that
@@ -142,7 +150,7 @@ def data_parallel(
       optimizer's updates differ per device (it does not average them, and
       is no :func:`~qsgd_jax.diloco`), its state holds a per-device scalar,
       which cannot be laid out, or, with :func:`~qsgd_jax.diloco`, a params
-      leaf is shaped neither as one copy nor as a copy a device.
+      leaf is shaped neither as one copy nor as a copy a worker.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
@@ -172,7 +180,9 @@ def data_parallel(
   axis = names if len(names) > 1 else names[0]
   split = P(axis)
 
-  def state_specs(params):
+  def layout(params):
+    """``(specs, param_axes)``: the state's partition specs, and for a local-update
+    optimizer the axes its parameters differ over (else ``None``)."""
     # The state's shapes on one device, from init run under the mesh: the residuals'
     # shapes may depend on the axis sizes, which only a mapped function can read.
     def device_state(params):
@@ -181,25 +191,40 @@ def data_parallel(
     stacked = jax.eval_shape(
         jax.shard_map(device_state, mesh=mesh, in_specs=P(), out_specs=split), params)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    specs = state_partition_specs(shapes, axis)
-    local_update = _global_params(shapes) is not None
+    # A local-update optimizer's workers lie along the first axis (the slow link) at least,
+    # and along every axis its update makes the parameters differ over.
+    param_axes = names[:1] if _global_params(shapes) is not None else None
+    specs = _known_specs(shapes, param_axes)
     # A state that state_partition_specs does not know may hold per-device arrays: lay out
     # each leaf along the axes the update makes it vary over. Laying one out may make others
     # vary, so until nothing changes (each round only turns replicated leaves per device).
     while True:
-      specs, changed = _per_device_specs(
-          shapes, specs, _updated_state_varying(params, specs, local_update), names)
+      params_varying, state_varying = _updated_varying(params, specs, param_axes)
+      specs, changed = _per_device_specs(shapes, specs, state_varying, names)
+      if param_axes is not None and not set(params_varying) <= set(param_axes):
+        param_axes = tuple(name for name in names if name in {*param_axes, *params_varying})
+        specs, changed = _known_specs(shapes, param_axes), True
       if not changed:
-        return specs
+        return specs, param_axes
 
-  def _updated_state_varying(params, specs, local_update):
-    """For each leaf of the state, the axes the update's new state varies over."""
+  def _known_specs(shapes, param_axes):
+    if param_axes is None:
+      return state_partition_specs(shapes, axis)
+    within = tuple(name for name in names if name not in param_axes)
+    return state_partition_specs(shapes, _axis_name(param_axes),
+                                 split_axis=_axis_name(within) if within else None)
+
+  def _updated_varying(params, specs, param_axes):
+    """The axes the update makes the parameters vary over, and each leaf of the new state."""
     found = []
 
     def probe(params, opt_state):
       local = axes.as_varying(params, axis)
-      _, new_state = optimizer.update(local, opt_state, local if local_update else params)
-      found.append([_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)])
+      updated = params if param_axes is None else axes.as_varying(params, param_axes)
+      updates, new_state = optimizer.update(local, opt_state, updated)
+      found.append((tuple(name for leaf in jax.tree.leaves(updates)
+                          for name in _varying_axes(leaf, names)),
+                    [_varying_axes(leaf, names) for leaf in jax.tree.leaves(new_state)]))
       return jnp.zeros(())
 
     global_shapes = jax.eval_shape(
@@ -209,31 +234,33 @@ def data_parallel(
     return found[0]
 
   def init(params):
-    specs = state_specs(params)
+    specs, _ = layout(params)
     return jax.shard_map(optimizer.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)
 
   def abstract_state(params):
     return jax.tree.map(
         lambda shape, spec: jax.ShapeDtypeStruct(
             shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-        jax.eval_shape(init, params), state_specs(params))
+        jax.eval_shape(init, params), layout(params)[0])
 
-  def step(params, opt_state, batch, *args):
+  def step(params, opt_state, batch, *args, events=None):
     global_params = _global_params(opt_state)
     local_update = global_params is not None
-    stacked = local_update and _is_stacked(params, global_params, mesh, names)
-    one_copy = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
-    specs = state_specs(one_copy if stacked else params)
+    specs, param_axes = layout(global_params if local_update else params)
+    along = P(_axis_name(param_axes)) if local_update else P()
+    stacked = local_update and _is_stacked(
+        params, global_params, math.prod(mesh.shape[name] for name in param_axes))
+    extra = {} if events is None else {"events": events}
 
     def device_step(params, opt_state, batch, *args):
       if stacked:
         params = jax.tree.map(lambda x: x[0], params)  # This device's own copy.
       local = axes.as_varying(params, axis)
       value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
-      # The parameters updated: this device's own with a local-update optimizer, else the
+      # The parameters updated: a worker's own with a local-update optimizer, else the
       # replicated ones, which the averaged updates keep replicated.
-      updated = local if local_update else params
-      updates, opt_state = optimizer.update(grads, opt_state, updated)
+      updated = axes.as_varying(params, param_axes) if local_update else params
+      updates, opt_state = optimizer.update(grads, opt_state, updated, **extra)
       if local_update:
         new_params = jax.tree.map(lambda x: x[None], optax.apply_updates(updated, updates))
       else:
@@ -241,18 +268,20 @@ def data_parallel(
         new_params = optax.apply_updates(updated, updates)
       return new_params, opt_state, _device_mean(value, names)
 
+    if stacked:  # Copies from the host (a checkpoint) are laid out as step returns them.
+      params = jax.tree.map(lambda x: _split(x, mesh, along), params)
     batch = jax.tree.map(lambda x: _split(x, mesh, split), batch)
     # A scalar has no dimension to split: every device gets it whole.
     batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
     return jax.shard_map(
         device_step, mesh=mesh,
-        in_specs=(split if stacked else P(), specs, batch_specs, *(P() for _ in args)),
-        out_specs=(split if local_update else P(), specs, P()),
+        in_specs=(along if stacked else P(), specs, batch_specs, *(P() for _ in args)),
+        out_specs=(along, specs, P()),
     )(params, opt_state, batch, *args)
 
   return DataParallel(
       init=jax.jit(init),
-      step=jax.jit(step, donate_argnums=(0, 1) if donate else ()),
+      step=jax.jit(step, donate_argnums=(0, 1) if donate else (), static_argnames="events"),
       abstract_state=abstract_state,
   )
 
@@ -314,14 +343,14 @@ def _global_params(state):
   return found[0].global_params if found else None
 
 
-def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str, ...]) -> bool:
-  """Whether ``params`` hold one copy a device along a first dimension (``step``'s own
-  output with a local-update optimizer), rather than one copy (``init``'s input).
+def _is_stacked(params, global_params, devices: int) -> bool:
+  """Whether ``params`` hold one copy a worker along a first dimension (``step``'s own
+  output with a local-update optimizer over ``devices`` workers), rather than one copy
+  (``init``'s input).
 
   Raises:
     ValueError: a leaf is neither, or some leaves are one and some the other.
   """
-  devices = math.prod(mesh.shape[name] for name in names)
   if jax.tree.structure(params) != jax.tree.structure(global_params):
     raise ValueError(
         f"data_parallel: the params' tree {jax.tree.structure(params)} is not the one "
@@ -360,6 +389,11 @@ def _innermost_state(tree, path):
     if isinstance(node, tuple) and hasattr(node, "_fields"):
       owner = node
   return owner
+
+
+def _axis_name(names: tuple[str, ...]) -> axes.AxisName:
+  """What ``PartitionSpec`` and the transforms take for ``names``: one name, or the tuple."""
+  return names if len(names) > 1 else names[0]
 
 
 def _varying_axes(x, names: tuple[str, ...]) -> tuple[str, ...]:
