@@ -139,11 +139,17 @@ def diloco(
   the state's ``count``, so one compiled step serves every step. Given
   ``update(..., events=qsgd_jax.diloco_events(count, ...))``, static under
   ``jax.jit``, Python decides, and each kind of step is a program of its
-  own with the same bits: a step between syncs holds no conditional and no
-  collective, an exchange sits at the program's top level. Each phase there
-  lies between optimization barriers where a conditional's branch had its
-  boundaries, so that XLA fuses it, and rounds it, as in the branch.
-  ``docs/results.md`` measures both on CPUs and GPUs.
+  own: a step between syncs holds no conditional and no collective, an
+  exchange sits at the program's top level. The merge's outer step is a
+  conditional in both (on the average being finite), so it starts from the
+  average as the exchange rounded it. On the CPU, where the non-finite
+  guard of the inner step is a conditional too, the two give the same bits
+  (the tests check it); where the guard is a select (other backends), XLA
+  may fuse an inner update's last product into its sum with the parameters
+  in a program chosen on the host, rounding them once, where the in-program
+  step rounds the update at a conditional's boundary first: the two may then
+  differ in the last bit. ``docs/results.md`` measures both on CPUs and
+  GPUs.
 
   **Layouts.** Between syncs the workers hold different parameters. Under
   ``jax.pmap`` nothing is needed. Under ``jax.shard_map``, lay the
