@@ -111,7 +111,8 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
       or ``None``. With ``k`` devices, each flattens the fragment into one
       vector of ``n`` elements, zero-padded to ``k * ceil(n / k)``, averages
       its own ``ceil(n / k)`` of them (the ``i``-th part on the device of
-      index ``i`` along ``split``) over the workers, and the worker's devices
+      index ``i`` along ``split``) over the workers, with random draws of its
+      own (``i`` folded into the average's keys), and the worker's devices
       all-gather the parts back into the whole.
 
   A worker whose outer gradient is not finite sends zeros and is left out:

@@ -212,10 +212,15 @@ def _advance_delayed(record: DelayedFragmentState, local: Local, when: Callable,
   def hold(held, average_state, averaged):
     return averaged, average_state, exchange.nothing_sent()
 
+  def taken(local, held):
+    return tuple(d[None] for d in take(local))
+
+  def kept(local, held):
+    return held
+
   averaged, average_state, sent = conditional.cond(
       when(1), send, hold, record.outer_gradient, record.average_state, record.averaged_gradient)
-  held = conditional.cond(when(0), lambda local, held: tuple(d[None] for d in take(local)),
-                          lambda local, held: held, local, record.outer_gradient)
+  held = conditional.cond(when(0), taken, kept, local, record.outer_gradient)
 
   def merged(averaged, outer_state, local):
     return merge(averaged, outer_state, local, settings)
