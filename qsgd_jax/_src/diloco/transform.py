@@ -164,7 +164,8 @@ def diloco(
   ``state_partition_specs(state, "outer", split_axis="inner")``, which lays
   what each device of a worker holds for itself (the residuals of an inner
   average, a split exchange's parts) along both axes.
-  :func:`~qsgd_jax.data_parallel` does both by itself. At a merge (with
+  :func:`~qsgd_jax.data_parallel` does both by itself (the two-level guide
+  shows both ways, with the same bits). At a merge (with
   ``alpha=0``) a device's update is the new global parameters minus its own,
   so that after ``optax.apply_updates`` its parameters are the global ones
   up to the rounding of that sum; ``global_params`` is the same on every
