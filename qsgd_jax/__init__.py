@@ -42,6 +42,7 @@ from qsgd_jax._src.compressors.onebit import OneBit
 from qsgd_jax._src.compressors.qsgd import QSGD, EliasSize
 from qsgd_jax._src.compressors.zero_aligned_minmax import NearestZeroAlignedMinMax
 from qsgd_jax._src.diloco.exchange import SplitAverageState
+from qsgd_jax._src.diloco.fragment import DelayedFragmentState, FragmentState
 from qsgd_jax._src.diloco.schedule import DiLoCoEvents, diloco_events
 from qsgd_jax._src.diloco.transform import DiLoCoState, diloco
 from qsgd_jax._src.distributed import LOST_PROCESS_EXIT_CODE, ProcessWatch, initialize_distributed
@@ -90,12 +91,14 @@ __all__ = (
     "CompressionStats",
     "Compressor",
     "DataParallel",
+    "DelayedFragmentState",
     "DiLoCoEvents",
     "DiLoCoState",
     "EliasSize",
     "FSDPOneBitAdamState",
     "FSDPOneBitErrorState",
     "FlatShard",
+    "FragmentState",
     "Identity",
     "LowPrecisionDecentralizedState",
     "MinMax",

@@ -99,6 +99,8 @@ def _run_cells(cells: list[tuple[str, str]]) -> dict:
 # Sections that import what they use, so that they run alone.
 @pytest.mark.parametrize("guide, heading", [
     ("training_loops.md", "Dropout: a key a step and a device"),
+    # Its last cell asserts that the two steps give the same bits.
+    ("two_level.md", "DiLoCo across the nodes"),
 ])
 def test_guide_section_runs_as_written(guide, heading):
   cells = _section_cells(guide, heading)

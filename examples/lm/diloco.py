@@ -141,14 +141,12 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
       param_shapes)
   shapes = jax.eval_shape(
       shard(create, in_specs=(P(WORKERS),), out_specs=P(), check_vma=False), stacked)
-  # Inside a worker the inner chain's state is the same on every device (its averages keep
-  # no per-device residuals: train.py refuses those with diloco), so every per-worker part of
-  # the state lies along the workers' axis only; a split exchange's average state is each
-  # device's own, and lies along both.
+  # A worker's parameters and optimizer state are the same on its devices and lie along the
+  # workers' axis; what each device holds for itself (an average's residuals inside the
+  # worker, a split exchange's part) lies along both axes.
   specs = shapes.replace(
       step=P(), params=jax.tree.map(lambda _: P(WORKERS), shapes.params),
-      opt_state=qsgd_jax.state_partition_specs(
-          shapes.opt_state, WORKERS, split_axis=axis if config.outer_split else None))
+      opt_state=qsgd_jax.state_partition_specs(shapes.opt_state, WORKERS, split_axis=axis))
   split = NamedSharding(device_mesh, P(axes))
   sharded_create = jax.jit(shard(create, in_specs=(P(WORKERS),), out_specs=specs))
 

@@ -333,6 +333,10 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   # 4 bits and a scale a coordinate against a float32 all-reduce's 2 (n - 1) / n * 32 bits.
   assert 0 < sent[2] < summary["fp32_allreduce_bytes_per_step"] / 6
   assert summary["mean_wire_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
+  # The baseline is float32 data parallel's: a float32 all-reduce over all 8 devices, every
+  # step, also where DiLoCo sent nothing.
+  assert all(r["fp32_wire_bytes"] == pytest.approx(summary["fp32_allreduce_bytes_per_step"])
+             for r in train_records)
   assert summary["mean_inner_wire_bytes_per_step"] > 0  # The float32 average inside a worker.
   # Its two programs, chosen on the host: a step sends the inner average, or that and the outer.
   by_branch = summary["hlo_wire_bytes_by_branch"]

@@ -17,9 +17,13 @@ class CompressionStats(NamedTuple):
       :func:`~qsgd_jax.compressed_allreduce` including the one-float32
       all-reduce that tells every device whether any device's updates were
       non-finite.
-    float32_bits: ``float32[]``, bits a float32 all-reduce of the same
-      gradients (or, decentralized, parameters) would send:
-      ``2 (n - 1) / n * 32`` a coordinate.
+    float32_bits: ``float32[]``, the library's one baseline: bits a device
+      sends in synchronous data parallel, a float32 all-reduce of the same
+      gradients (or, decentralized, parameters) every step over every device
+      that computes its own: ``2 (n - 1) / n * 32`` a coordinate, ``n`` the
+      devices of the transform's axes (for :func:`~qsgd_jax.diloco`, the
+      workers times a worker's devices). Sent every step, also where the
+      transform sent nothing.
     compression_ratio: ``float32[]``, ``float32_bits / wire_bits``.
     elias_bits: ``float32[]``, for QSGD, ``wire_bits`` as it would be if
       every payload the step sent were Elias-coded (the smaller of the sparse
@@ -34,12 +38,14 @@ class CompressionStats(NamedTuple):
       links between nodes (all of it for one axis). A collective over every
       axis counts ``1 / inner_size`` of its bits, what crosses the outer axis
       when it runs hierarchically.
-    outer_compression_ratio: ``float32[]``, what a float32 all-reduce would
-      send across the outer axis, run hierarchically
-      (``2 (n - 1) / n * 32`` a coordinate over ``inner_size``), over
-      ``outer_wire_bits``: the slow link's own saving, the figure that
-      matters with two levels (``compression_ratio`` there also counts the
-      float32 traffic of the fast inner links).
+    outer_compression_ratio: ``float32[]``, ``outer_float32_bits /
+      outer_wire_bits``: the slow link's own saving, the figure that matters
+      with two levels (``compression_ratio`` there also counts the float32
+      traffic of the fast inner links).
+    outer_float32_bits: ``float32[]``, the part of ``float32_bits`` that
+      crosses the outer axis, the all-reduce run hierarchically:
+      ``2 (n - 1) / n * 32`` a coordinate over ``inner_size``, ``n`` the
+      outer axis's size.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -58,6 +64,7 @@ class CompressionStats(NamedTuple):
   elias_bits: jax.Array
   outer_wire_bits: jax.Array
   outer_compression_ratio: jax.Array
+  outer_float32_bits: jax.Array
 
 
 def compression_stats(opt_state) -> CompressionStats | None:
@@ -107,12 +114,12 @@ class RunStats(NamedTuple):
       :attr:`CompressionStats.float32_bits`.
     outer_wire_bits: the sum of each step's
       :attr:`CompressionStats.outer_wire_bits`.
-    outer_float32_bits: the sum of what a float32 all-reduce would have sent
-      across the outer axis each step.
+    outer_float32_bits: the sum of each step's
+      :attr:`CompressionStats.outer_float32_bits`.
 
   Examples:
     >>> import numpy as np, qsgd_jax
-    >>> step = qsgd_jax.CompressionStats(*map(np.float32, (100, 800, 8, np.nan, 100, 8)))
+    >>> step = qsgd_jax.CompressionStats(*map(np.float32, (100, 800, 8, np.nan, 100, 8, 800)))
     >>> run = qsgd_jax.accumulate_stats(None, step)
     >>> run = qsgd_jax.accumulate_stats(run, step._replace(wire_bits=np.float32(800)))
     >>> float(run.wire_bits), float(run.compression_ratio)
@@ -178,9 +185,8 @@ def accumulate_stats(total: RunStats | None, step) -> RunStats:
   if stats is None:
     raise ValueError(f"accumulate_stats: no CompressionStats in {type(step).__name__}: pass "
                      "the optimizer state of a communicating transform, or its stats.")
-  wire, full, outer = (np.asarray(x, np.float64) for x in (
-      stats.wire_bits, stats.float32_bits, stats.outer_wire_bits))
-  outer_full = outer * np.asarray(stats.outer_compression_ratio, np.float64)
+  wire, full, outer, outer_full = (np.asarray(x, np.float64) for x in (
+      stats.wire_bits, stats.float32_bits, stats.outer_wire_bits, stats.outer_float32_bits))
   step_sums = RunStats(np.ones_like(wire), wire, full, outer, outer_full)
   if total is None:
     return step_sums
@@ -216,6 +222,7 @@ def make(wire_bits, full_bits, elias_bits, outer_wire_bits=None,
       elias_bits=jnp.asarray(elias_bits, jnp.float32),
       outer_wire_bits=outer,
       outer_compression_ratio=outer_full / outer,
+      outer_float32_bits=outer_full,
   )
 
 

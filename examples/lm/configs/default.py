@@ -63,11 +63,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.fragment_delay = 0  # Steps an exchange overlaps before its merge (below the interval).
   config.fragment_alpha = 0.0  # The merge's weight of the worker's own parameters.
   # Each of a worker's devices exchanges 1 / (devices a worker) of the outer gradient across
-  # workers, then the worker gathers the parts (qsgd_jax.diloco's split_axis; not with a delay).
+  # workers, then the worker gathers the parts (qsgd_jax.diloco's split_axis).
   config.outer_split = False
   # Each step's program chosen on the host (qsgd_jax.diloco_events): a step between syncs has no
   # sync conditional and no collective, and an exchange may run beside the forward and backward
-  # passes; False: one program of conditionals on the step count serves every step (same bits).
+  # passes; False: one program of conditionals on the step count serves every step (the same
+  # bits on the CPU).
   config.diloco_events_on_host = True
   # fsdp: how the weights travel in its gathers (fp32, bf16, int8, int4); the gradients'
   # reduce-scatter is config.average's (fp32, bf16, qsgd4 or qsgd8).

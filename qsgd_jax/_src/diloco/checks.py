@@ -43,8 +43,10 @@ def check_state(state, expected, state_type: type) -> None:
 
 
 def check_laid_out(params, parsed: axes.Axes) -> None:
-  """Raises where, under ``jax.shard_map``, a parameter is replicated over the workers' axis."""
-  found = axes.first_replicated(params, parsed.names)
+  """Raises where, under ``jax.shard_map``, a parameter is replicated over the workers' outer
+  axis. (Over the others of a tuple ``axis_name`` an inner optimizer may average: then the
+  parameters are the same along them.)"""
+  found = axes.first_replicated(params, (parsed.outer,))
   if found is not None:
     path, missing = found
     raise ValueError(
@@ -65,6 +67,42 @@ def check_averaged(averaged, parsed: axes.Axes) -> None:
           f"{_OWNER}: average returned an outer gradient that still differs across axis "
           f"{varying[0]!r}: it must average over axis_name={parsed.name!r}. Build it with the "
           f"same axis, e.g. qsgd_jax.qsgd({parsed.name!r}, bits=4, error_feedback=True).")
+
+
+def check_inner_updates(updates, params, parsed: axes.Axes) -> None:
+  """Raises where, under ``jax.shard_map``, an inner update differs across an axis over which
+  its parameter is the same and the workers do not lie: a worker's devices would drift apart.
+  """
+  for (path, update), param in zip(jax.tree_util.tree_leaves_with_path(updates),
+                                   jax.tree.leaves(params), strict=True):
+    extra = [name for name in axes.varying_axes(update)
+             if name not in axes.varying_axes(param) and name not in parsed.names]
+    if extra:
+      raise ValueError(
+          f"{_OWNER}: the inner optimizer's update of {jax.tree_util.keystr(path)} differs "
+          f"across axis {extra[0]!r}, over which the parameters are the same: a worker's "
+          "devices would drift apart. Average the gradients over it in the inner optimizer "
+          f"(e.g. optax.chain(qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "
+          f"{extra[0]!r}), optax.adamw(...))) and lay the state out by "
+          f"qsgd_jax.state_partition_specs(state, {parsed.name!r}, split_axis={extra[0]!r}), "
+          "which keeps a worker's optimizer state the same on its devices.")
+
+
+def check_same_everywhere(averaged, parsed: axes.Axes) -> None:
+  """Raises where, under ``jax.shard_map``, the averaged outer gradient differs across an axis
+  other than the workers' (whose devices then hold parameters of their own)."""
+  for leaf in averaged:
+    varying = [name for name in axes.varying_axes(leaf) if name not in parsed.names]
+    if varying:
+      raise ValueError(
+          f"{_OWNER}: the averaged outer gradient differs across axis {varying[0]!r}, which "
+          f"axis_name={parsed.name!r} does not average over, so the global parameters would "
+          "differ there: the devices along it hold parameters of their own, or the state lies "
+          f"along it. Average the inner optimizer's gradients over {varying[0]!r} (e.g. "
+          f"optax.chain(qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), {varying[0]!r}), "
+          "optax.adamw(...))), lay the parameters out replicated over it and the state by "
+          f"qsgd_jax.state_partition_specs(state, {parsed.name!r}, split_axis="
+          f"{varying[0]!r}); or add it to axis_name.")
 
 
 def check_same_in_worker(params, split: axes.Axes) -> None:

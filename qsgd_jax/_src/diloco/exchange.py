@@ -32,10 +32,10 @@ class SplitAverageState(NamedTuple):
     ...     average=qsgd_jax.qsgd("outer", bits=4, error_feedback=True))
     >>> with jax.set_mesh(jax.make_mesh((1, 1), ("outer", "inner"))):
     ...   state = jax.eval_shape(tx.init, {"w": jnp.zeros(1000)})
-    >>> type(state.average_states[0]).__name__
+    >>> type(state.fragments[0].average_state).__name__
     'SplitAverageState'
     >>> specs = qsgd_jax.state_partition_specs(state, "outer", split_axis="inner")
-    >>> specs.average_states[0].state.count  # Each device's own, along both axes.
+    >>> specs.fragments[0].average_state.state.count  # Each device's own, along both axes.
     P(('outer', 'inner'),)
   """
 
@@ -111,7 +111,8 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
       or ``None``. With ``k`` devices, each flattens the fragment into one
       vector of ``n`` elements, zero-padded to ``k * ceil(n / k)``, averages
       its own ``ceil(n / k)`` of them (the ``i``-th part on the device of
-      index ``i`` along ``split``) over the workers, and the worker's devices
+      index ``i`` along ``split``) over the workers, with random draws of its
+      own (``i`` folded into the average's keys), and the worker's devices
       all-gather the parts back into the whole.
 
   A worker whose outer gradient is not finite sends zeros and is left out:
@@ -142,8 +143,8 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
     length = split_length(flat.size, count)
     flat = jnp.pad(flat, (0, count * length - flat.size))
     part = jax.lax.dynamic_slice_in_dim(flat, jax.lax.axis_index(split.name) * length, length)
-    own_state = average_state if average is None else jax.tree.map(lambda x: x[0],
-                                                                   average_state.state)
+    own_state = average_state if average is None else _own_draws(
+        jax.tree.map(lambda x: x[0], average_state.state), split)
     (mine,), new_state, (total, outer) = _average((part,), own_state, average, parsed, size)
     if average is not None:
       new_state = SplitAverageState(jax.tree.map(lambda x: x[None], new_state))
@@ -157,9 +158,27 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
   # size / size is 1 exactly: with every worker finite the average is as it was.
   scale = jnp.where(finite_workers > 0, size / finite_workers, jnp.nan)
   averaged = tuple(a * scale for a in averaged)
+  checks.check_same_everywhere(averaged, parsed)
   new_state = select(base.all_finite(averaged), new_state, average_state)
   skipped = (size - finite_workers).astype(jnp.int32)
   return averaged, new_state, Sent(bits[0] + count_bits, bits[1] + count_bits, skipped)
+
+
+def _own_draws(state, split: axes.Axes):
+  """``state`` with each PRNG key folded with this device's index along ``split``.
+
+  The average draws its randomness per worker (it folds in the worker's
+  index); each of a worker's devices averages a part of its own, and needs
+  draws of its own too, or its dither is its neighbours'.
+  """
+  index = jax.lax.axis_index(split.name)
+
+  def fold(x):
+    if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+      return jax.random.fold_in(x, index)
+    return x
+
+  return jax.tree.map(fold, state)
 
 
 def _average(delta, average_state, average, parsed: axes.Axes, size: int):

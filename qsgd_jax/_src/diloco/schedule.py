@@ -148,3 +148,11 @@ def check_events(events, sync_every: int, fragments: int, delay: int) -> None:
         f"{given[2]}, but this transformation has sync_every={sync_every}, {fragments} "
         f"fragments, delay={delay}: build them with qsgd_jax.diloco_events(count, sync_every="
         f"{sync_every}, fragments={fragments}, delay={delay}).")
+
+
+def when(events: DiLoCoEvents | None, fragment: int, offset: int, sync_every: int, step, k: int):
+  """Whether ``step`` (counted from 1) is ``k`` steps after ``fragment``'s sync step: decided
+  on the host from ``events`` (a Python bool), or in the program (:func:`fires`)."""
+  if events is None:
+    return fires(step, offset, sync_every, k)
+  return fragment in (events.takes if k == 0 else events.sends if k == 1 else events.merges)

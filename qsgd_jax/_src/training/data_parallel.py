@@ -21,11 +21,12 @@ class DataParallel(NamedTuple):
   Attributes:
     init: ``init(params) -> opt_state``, jitted: the optimizer's state, laid
       out by :func:`~qsgd_jax.state_partition_specs` over the mesh.
-    step: ``step(params, opt_state, batch, *args) -> (params, opt_state,
-      value)``, jitted: one training step. ``value`` is the loss, or
-      ``(loss, aux)`` with ``has_aux``, averaged over the devices. With
-      :func:`~qsgd_jax.diloco` the params it returns are a copy a device,
-      stacked along a first dimension.
+    step: ``step(params, opt_state, batch, *args, events=None) -> (params,
+      opt_state, value)``, jitted: one training step. ``value`` is the loss,
+      or ``(loss, aux)`` with ``has_aux``, averaged over the devices. With
+      :func:`~qsgd_jax.diloco` the params it returns are a copy a worker,
+      stacked along a first dimension; ``events``, static, is passed to its
+      update (:func:`~qsgd_jax.diloco_events`).
     abstract_state: ``abstract_state(params)``: a ``jax.ShapeDtypeStruct`` for
       each array of ``init(params)``, its ``sharding`` the concrete
       ``NamedSharding`` that ``init`` and ``step`` give it; computes nothing.
@@ -103,13 +104,22 @@ def data_parallel(
   means, as from ``jax.lax.pmean``.
 
   A local-update optimizer, :func:`~qsgd_jax.diloco`, keeps parameters of
-  each device's own between syncs; ``step`` then returns them stacked, one
-  copy a device along a new first dimension laid out over ``axis_name``,
-  and takes either such copies or one copy (as ``init`` does, on the first
-  step; with ``donate`` its buffers cannot hold the copies, and JAX warns
-  that they were not used). Evaluate the global parameters, the
-  :class:`~qsgd_jax.DiLoCoState`'s ``global_params`` (``opt_state.global_params``
-  when ``diloco`` is the whole optimizer).
+  each worker's own between syncs; ``step`` then returns them stacked, one
+  copy a worker along a new first dimension, and takes either such copies
+  or one copy (as ``init`` does, on the first step; with ``donate`` its
+  buffers cannot hold the copies, and JAX warns that they were not used).
+  The workers lie along the first axis of ``axis_name`` and every other
+  axis the update makes the parameters differ over: on a two-level mesh
+  whose inner axis ``diloco``'s inner optimizer averages over, a copy a
+  node, laid out along the outer axis (the state then by
+  ``state_partition_specs(state, outer, split_axis=inner)``); with no
+  average inside, a copy a device; on a mesh whose model is sharded, a copy
+  a data group, laid out over the model axes as the parameters.
+  ``step(..., events=...)`` passes a :func:`~qsgd_jax.diloco_events` to its
+  update, a static argument: each kind of step compiles a program of its
+  own. Evaluate the global parameters, the :class:`~qsgd_jax.DiLoCoState`'s
+  ``global_params`` (``opt_state.global_params`` when ``diloco`` is the
+  whole optimizer).
 
   On a mesh whose model is sharded too (Flax ``lm1b``'s ``('data', 'fsdp',
   'tensor')``, MaxText's ``dcn_data_parallelism`` with ``ici_fsdp_parallelism``),
@@ -166,7 +176,7 @@ def data_parallel(
       optimizer's updates differ per device (it does not average them, and
       is no :func:`~qsgd_jax.diloco`), its state holds a per-device scalar,
       which cannot be laid out, or, with :func:`~qsgd_jax.diloco`, a params
-      leaf is shaped neither as one copy nor as a copy a device.
+      leaf is shaped neither as one copy nor as a copy a worker.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
@@ -206,17 +216,23 @@ def data_parallel(
   layout = state_layout.StateLayout(optimizer, mesh, names, model)
 
   def make_init(params, param_specs):
-    data_specs, model_specs = layout.specs(params, param_specs)
+    data_specs, model_specs, _ = layout.specs(params, param_specs)
     init_fn = model_axes.with_model_axes(optimizer.init, model, (param_specs,))
     full = model_axes.full_specs(data_specs, model_specs)
     return jax.jit(_mapped(init_fn, mesh, names, model, P(), data_specs, full),
                    out_shardings=_named(mesh, full))
 
-  def make_step(params, param_specs, stacked: bool, local_update: bool):
-    data_specs, model_specs = layout.specs(params, param_specs)
+  def make_step(params, param_specs, copies: int, local_update: bool, events):
+    data_specs, model_specs, param_axes = layout.specs(params, param_specs)
+    # A local-update optimizer's workers lie along param_axes: its params a copy a worker,
+    # stacked along a new first dimension there, each copy laid out as the params.
+    along = P(state_layout.axis_name(param_axes)) if local_update else P()
+    if copies:
+      _check_copies(copies, math.prod(mesh.shape[name] for name in param_axes), params)
+    extra = {} if events is None else {"events": events}
 
     def update(grads, opt_state, params):
-      updates, opt_state = optimizer.update(grads, opt_state, params)
+      updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
       if not local_update:
         _check_averaged(updates, names)
       return optax.apply_updates(params, updates), opt_state
@@ -225,55 +241,56 @@ def data_parallel(
     update = model_axes.with_model_axes(update, model, (param_specs, model_specs, param_specs))
 
     def device_step(params, opt_state, batch, *args):
-      if stacked:
-        params = jax.tree.map(lambda x: x[0], params)  # This device's own copy.
+      if copies:
+        params = jax.tree.map(lambda x: x[0], params)  # This worker's own copy.
       local = axes.as_varying(params, axis)
       value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local, batch, *args)
-      # The parameters updated: this device's own with a local-update optimizer, else the
+      # The parameters updated: a worker's own with a local-update optimizer, else the
       # replicated ones, which the averaged updates keep replicated.
-      new_params, opt_state = update(grads, opt_state, local if local_update else params)
+      updated = axes.as_varying(params, param_axes) if local_update else params
+      new_params, opt_state = update(grads, opt_state, updated)
       if local_update:
         new_params = jax.tree.map(lambda x: x[None], new_params)
       return new_params, opt_state, _device_mean(value, names)
 
-    params_out = split if local_update else P()
-    # A local-update optimizer's params: a copy a data group, stacked along a new first
-    # dimension, each copy laid out as the params.
-    stacked_specs = jax.tree.map(lambda spec: P(axis, *spec), param_specs,
-                                 is_leaf=lambda x: isinstance(x, P))
-    full = (stacked_specs if local_update else param_specs,
+    copy_specs = jax.tree.map(lambda spec: P(*along, *spec), param_specs,
+                              is_leaf=lambda x: isinstance(x, P))
+    full = (copy_specs if local_update else param_specs,
             model_axes.full_specs(data_specs, model_specs), P())
 
     def step(params, opt_state, batch, *args):
+      if copies:  # Copies from the host (a checkpoint) are laid out as step returns them.
+        params = jax.tree.map(lambda x: _split(x, mesh, along), params)
       _check_batch(batch, mesh, (*names, *batch_axes))
       batch = jax.tree.map(lambda x: _split(x, mesh, P((*names, *batch_axes))), batch)
       # A scalar has no dimension to split: every device gets it whole.
       batch_specs = jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else split, batch)
       return _mapped(device_step, mesh, names, model,
-                     (split if stacked else P(), data_specs, batch_specs, *(P() for _ in args)),
-                     (params_out, data_specs, P()), full)(params, opt_state, batch, *args)
+                     (along if copies else P(), data_specs, batch_specs, *(P() for _ in args)),
+                     (along, data_specs, P()), full)(params, opt_state, batch, *args)
 
     # Over model axes the outputs keep the inputs' layout, which the compiler would choose
     # otherwise.
     return jax.jit(step, donate_argnums=(0, 1) if donate else (),
                    out_shardings=_named(mesh, full) if model else None)
 
-  def specs_of(params, opt_state=None):
-    """The static layout a program is made for: one copy of the params, abstract, their
-    specs over the model axes and, for a step, whether they are stacked copies and the
-    optimizer a local-update one."""
+  def specs_of(params, opt_state=None, events=None):
+    """The static layout a program is made for: one copy of the params, abstract (a
+    local-update optimizer's global copy), their specs over the model axes and, for a
+    step, the number of copies stacked in ``params`` (0 for one copy), whether the
+    optimizer is a local-update one, and its ``events``."""
     global_params = None if opt_state is None else _global_params(opt_state)
-    stacked = global_params is not None and _is_stacked(params, global_params, mesh, names)
-    one_copy = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:] if stacked else jnp.shape(x),
-                                       jnp.result_type(x)), params)
-    param_specs = (model_axes.param_specs(params, mesh, names, "data_parallel", stacked=stacked)
-                   if model else jax.tree.map(lambda _: P(), params))
-    return one_copy, param_specs, stacked, global_params is not None
+    one = params if global_params is None else global_params
+    one_copy = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                            one)
+    param_specs = (model_axes.param_specs(one, mesh, names, "data_parallel")
+                   if model else jax.tree.map(lambda _: P(), one))
+    copies = 0 if global_params is None else _copies(params, global_params)
+    return one_copy, param_specs, copies, global_params is not None, events
 
   def abstract_state(params):
-    one_copy, param_specs, _, _ = specs_of(params)
-    data_specs, model_specs = layout.specs(one_copy, param_specs)
+    one_copy, param_specs, *_ = specs_of(params)
+    data_specs, model_specs, _ = layout.specs(one_copy, param_specs)
     full = model_axes.full_specs(data_specs, model_specs)
     return jax.tree.map(
         lambda shape, spec: jax.ShapeDtypeStruct(
@@ -288,15 +305,16 @@ def data_parallel(
 class _Programs:
   """A jitted function for each static layout of its arguments, called or lowered alike.
 
-  ``make(*layout)`` builds the program for a layout; ``layout_of(*args)`` reads
-  the layout from the first arguments (shapes and shardings, not values).
+  ``make(*layout)`` builds the program for a layout; ``layout_of(*args,
+  **static)`` reads the layout from the first arguments (shapes and shardings,
+  not values) and the static keyword arguments (DiLoCo's ``events``).
   """
 
   def __init__(self, make, layout_of):
     self._make, self._layout_of, self._programs = make, layout_of, {}
 
-  def _program(self, args):
-    layout = self._layout_of(*args[:2])
+  def _program(self, args, kwargs):
+    layout = self._layout_of(*args[:2], **kwargs)
     key = tuple((tuple(leaves), treedef) for leaves, treedef in (
         jax.tree.flatten(part, is_leaf=lambda x: isinstance(x, P)) for part in layout))
     # The params' shapes are part of the key (one copy, abstract): a program is traced for
@@ -305,12 +323,16 @@ class _Programs:
       self._programs[key] = self._make(*layout)
     return self._programs[key]
 
-  def __call__(self, *args):
-    return self._program(args)(*args)
+  def __call__(self, *args, **static):
+    return self._program(args, static)(*args)
 
-  def lower(self, *args):
+  def trace(self, *args, **static):
+    """The program's ``jax.jit(...).trace(*args)``, for its jaxpr."""
+    return self._program(args, static).trace(*args)
+
+  def lower(self, *args, **static):
     """The program's ``jax.jit(...).lower(*args)``, for its compiled HLO."""
-    return self._program(args).lower(*args)
+    return self._program(args, static).lower(*args)
 
 
 def _mapped(fn, mesh: jax.sharding.Mesh, names, model, in_specs, out_specs, full_out_specs):
@@ -388,14 +410,13 @@ def _global_params(state):
   return found[0].global_params if found else None
 
 
-def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str, ...]) -> bool:
-  """Whether ``params`` hold one copy a device along a first dimension (``step``'s own
-  output with a local-update optimizer), rather than one copy (``init``'s input).
+def _copies(params, global_params) -> int:
+  """How many copies ``params`` hold along a first dimension (``step``'s own output with a
+  local-update optimizer), or 0 for one copy (``init``'s input).
 
   Raises:
-    ValueError: a leaf is neither, or some leaves are one and some the other.
+    ValueError: a leaf is neither, or the leaves hold different numbers of copies.
   """
-  devices = math.prod(mesh.shape[name] for name in names)
   if jax.tree.structure(params) != jax.tree.structure(global_params):
     raise ValueError(
         f"data_parallel: the params' tree {jax.tree.structure(params)} is not the one "
@@ -406,17 +427,30 @@ def _is_stacked(params, global_params, mesh: jax.sharding.Mesh, names: tuple[str
   for (path, leaf), model in zip(jax.tree_util.tree_leaves_with_path(params),
                                  jax.tree.leaves(global_params), strict=True):
     shape = tuple(jnp.shape(leaf))
-    if shape in (model.shape, (devices, *model.shape)):
-      kinds.add(shape != model.shape)
+    if shape == tuple(model.shape) or shape[1:] == tuple(model.shape):
+      kinds.add(0 if shape == tuple(model.shape) else shape[0])
       if len(kinds) == 1:
         continue
     raise ValueError(
         f"data_parallel: params leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-        f"{shape}. With qsgd_jax.diloco every device keeps parameters of its own between "
+        f"{shape}. With qsgd_jax.diloco every worker keeps parameters of its own between "
         f"syncs: step takes either one copy, shaped as init's params ({model.shape} here), or "
-        f"the {devices} copies step returned, stacked along a first dimension "
-        f"({(devices, *model.shape)}), for every leaf alike.")
-  return kinds == {True}
+        f"the copies step returned, one a worker stacked along a first dimension, for every "
+        "leaf alike.")
+  return kinds.pop()
+
+
+def _check_copies(copies: int, workers: int, params) -> None:
+  """Raises unless the step's params hold one copy a worker (``params``: one copy)."""
+  if copies != workers:
+    path, first = jax.tree_util.tree_leaves_with_path(params)[0]
+    shape = tuple(first.shape)
+    raise ValueError(
+        f"data_parallel: params leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+        f"{(copies, *shape)}. With qsgd_jax.diloco every worker keeps parameters of its own "
+        f"between syncs: step takes either one copy, shaped as init's params ({shape} here), "
+        f"or the {workers} copies step returned, one a worker stacked along a first dimension "
+        f"({(workers, *shape)}), for every leaf alike.")
 
 
 def _device_mean(tree, names: tuple[str, ...]):

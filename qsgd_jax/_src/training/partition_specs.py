@@ -13,6 +13,7 @@ from qsgd_jax._src.adam.zero_one_adam import ZeroOneAdamState
 from qsgd_jax._src.averaging.allreduce import CompressedAllReduceState
 from qsgd_jax._src.averaging.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco.exchange import SplitAverageState
+from qsgd_jax._src.diloco.fragment import DelayedFragmentState
 from qsgd_jax._src.diloco.transform import DiLoCoState
 from qsgd_jax._src.fsdp.onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.powersgd.transform import PowerSGDState
@@ -23,6 +24,7 @@ _ALWAYS_PRESENT = {
     AccumulationState: ("mini_step",),
     CompressedAllReduceState: ("key", "count", "stats"),
     DiLoCoState: ("count", "stats", "global_params"),
+    DelayedFragmentState: ("outer_gradient", "averaged_gradient"),
     SplitAverageState: ("state",),
     FSDPOneBitErrorState: ("warm_up_left",),
     LowPrecisionDecentralizedState: ("key", "stats"),
@@ -61,18 +63,24 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
   * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
     ``axis_name``; the key, the count, the P and Q memories (the same on
     every device: they come from all-reduces) and the stats are replicated.
-  * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`) the
-    workers' own arrays lie along ``axis_name``: the inner optimizer's state
-    (every leaf, stored with a leading axis of one) and the outer gradients
-    before their exchange (``outer_gradients``); the averages' states are
-    laid out by these same rules (a compressed average's residuals along the
-    axis). The count, the stats, the global parameters, the outer
+  * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`, with
+    ``axis_name`` its workers' axis) each worker's own arrays lie along
+    ``axis_name``: its inner optimizer's state (every leaf stored with a
+    leading axis of one) and, in a :class:`~qsgd_jax.DelayedFragmentState`,
+    its outer gradient before the exchange. Inside the inner state, what
+    these rules lay out per device (the residuals of an average over a
+    worker's devices) lies along ``axis_name`` and ``split_axis``. The
+    fragments' average states are laid out by these same rules (a
+    compressed average's residuals along the axis); a
+    :class:`~qsgd_jax.SplitAverageState` (of ``diloco(...,
+    split_axis=...)``: each device's own part) lies along ``axis_name`` and
+    ``split_axis``. The count, the stats, the global parameters, the outer
     optimizers' states and the averaged outer gradients are the same on
-    every device and replicated. On a two-level mesh pass every axis the
-    parameters or the inner chain's state differ over, e.g.
-    ``("outer", "inner")``. A :class:`~qsgd_jax.SplitAverageState` (of
-    ``diloco(..., split_axis=...)``: each device's own part) lies along
-    ``axis_name`` and ``split_axis``.
+    every device and replicated. On a two-level mesh with DiLoCo over the
+    outer axis and the inner optimizer averaging over the inner one, pass
+    ``split_axis`` the inner one (whether or not ``diloco`` splits its
+    exchange): a worker's parameters and optimizer state are then the same
+    on its devices, its residuals each device's own.
   * In an :class:`~qsgd_jax.AccumulationState` each device's running mean of
     its gradients lies along ``axis_name`` and the mini-step counter is
     replicated; the wrapped state inside is laid out by these same rules.
@@ -102,9 +110,10 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
   Args:
     opt_state: an optax state, or its ``jax.eval_shape``.
     axis_name: the mesh axis (or axes) the devices are mapped over.
-    split_axis: the ``split_axis`` of a :func:`~qsgd_jax.diloco` in the
-      state, if any: its :class:`~qsgd_jax.SplitAverageState` lies along it
-      too (after ``axis_name``).
+    split_axis: with a :func:`~qsgd_jax.diloco` over ``axis_name`` on a
+      two-level mesh, the axes of a worker's devices (its ``split_axis``,
+      or the axes its inner optimizer averages over): what each device of a
+      worker holds for itself lies along them too, after ``axis_name``.
 
   Returns:
     A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
@@ -136,6 +145,14 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
   def per_node(tree):
     return per_worker(tree, along_outer)
 
+  def per_worker_state(tree):
+    # A DiLoCo worker's inner state: what the rules lay out per device over all the axes stays
+    # so, and what they replicate is the worker's own.
+    names = along_split[0]
+    over_devices = state_partition_specs(tree, names if len(names) > 1 else names[0])
+    return jax.tree.map(lambda spec: along_axis if spec == replicated else spec, over_devices,
+                        is_leaf=lambda node: isinstance(node, PartitionSpec))
+
   field_specs = {
       AccumulationState: dict(
           mini_step=all_leaves(replicated), accumulated=all_leaves(along_axis),
@@ -150,9 +167,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
       ScaleByOneBitAdamState: dict(
           worker_error=all_leaves(along_axis), server_error=all_leaves(along_axis)),
       FSDPOneBitErrorState: dict(worker_error=all_leaves(along_axis)),
-      DiLoCoState: dict(
-          inner_state=all_leaves(along_axis), outer_gradients=all_leaves(along_axis),
-          average_states=lambda tree: specs(tree)),
+      DiLoCoState: dict(inner_state=per_worker_state, fragments=lambda tree: specs(tree)),
+      DelayedFragmentState: dict(
+          average_state=lambda tree: specs(tree), outer_gradient=all_leaves(along_axis)),
       SplitAverageState: dict(state=all_leaves(along_split)),
       PowerSGDState: dict(
           key=all_leaves(replicated), count=all_leaves(replicated),

@@ -15,6 +15,7 @@ from qsgd_jax._src.adam.zero_one_adam import ZeroOneAdamState
 from qsgd_jax._src.averaging.allreduce import CompressedAllReduceState
 from qsgd_jax._src.averaging.decentralized import LowPrecisionDecentralizedState
 from qsgd_jax._src.diloco.exchange import SplitAverageState
+from qsgd_jax._src.diloco.fragment import DelayedFragmentState
 from qsgd_jax._src.diloco.transform import DiLoCoState
 from qsgd_jax._src.fsdp.onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.powersgd.transform import PowerSGDState
@@ -203,12 +204,13 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
 
   * :class:`~qsgd_jax.DiLoCoState`: every new worker takes worker 0's inner
     optimizer state (:func:`~qsgd_jax.resize.first_device`); the outer
-    gradients not yet exchanged (``outer_gradients``) become their mean over
-    the saved workers (:func:`~qsgd_jax.resize.mean`: what a float32
-    exchange would make of them); the averages' states by their own rules (a
-    compressed average's residuals by their mean); the count, the global
-    parameters, the outer optimizers' states and the averaged outer
-    gradients are the same on every worker and kept. The caller gives the
+    gradients not yet exchanged (a :class:`~qsgd_jax.DelayedFragmentState`'s
+    ``outer_gradient``) become their mean over the saved workers
+    (:func:`~qsgd_jax.resize.mean`: what a float32 exchange would make of
+    them); the averages' states by their own rules (a compressed average's
+    residuals by their mean); the count, the global parameters, the outer
+    optimizers' states and the averaged outer gradients are the same on
+    every worker and kept. The caller gives the
     new workers their parameters: the global parameters (best at the end of
     a round) or worker 0's.
 
@@ -472,7 +474,7 @@ register(CompressedAllReduceState, "local_error", mean, residual=True)
 register(CompressedAllReduceState, "chunk_error", _owner_residuals, residual=True)
 register(AccumulationState, "accumulated", mean)
 register(DiLoCoState, "inner_state", first_device)
-register(DiLoCoState, "outer_gradients", mean)
+register(DelayedFragmentState, "outer_gradient", mean)
 register(SplitAverageState, "state", _split_average_state)
 register(LowPrecisionDecentralizedState, "inner_state", first_device)
 # Worker 0's model, as its right neighbour (worker 1) and its left one (the last) hold it.

@@ -41,11 +41,13 @@ class StateLayout:
     self._mesh = mesh if not model else jax.sharding.Mesh(
         mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
   def specs(self, params, param_specs):
-    """``(data_specs, model_specs)`` of the state ``init(params)`` makes (``params`` one
-    copy, arrays or ``jax.ShapeDtypeStruct``, laid out by ``param_specs`` over the model
-    axes): each leaf's
-    ``PartitionSpec`` over the data axes, as ``jax.shard_map`` over them takes it, and
-    over the model axes, as its explicit type says (``P()`` each without model axes)."""
+    """``(data_specs, model_specs, param_axes)`` of the state ``init(params)`` makes
+    (``params`` one copy, arrays or ``jax.ShapeDtypeStruct``, laid out by ``param_specs``
+    over the model axes): each leaf's ``PartitionSpec`` over the data axes, as
+    ``jax.shard_map`` over them takes it, and over the model axes, as its explicit type
+    says (``P()`` each without model axes); and for a local-update optimizer the data axes
+    its workers lie along (the first, the slow link, and every other its update makes the
+    parameters differ over), else ``None``."""
     found = []
 
     def device_state(params):
@@ -60,26 +62,43 @@ class StateLayout:
     stacked = jax.eval_shape(self._map(device_state, P(), P(self._axis)), params)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
     model_specs = found[0] if self._model else jax.tree.map(lambda _: P(), shapes)
-    specs = state_partition_specs(shapes, self._axis)
-    local_update = _holds_global_params(shapes)
+    param_axes = self._names[:1] if _holds_global_params(shapes) else None
+    specs = self._known_specs(shapes, param_axes)
     # A state that state_partition_specs does not know may hold per-device arrays: lay out
     # each leaf along the axes the update makes it vary over. Laying one out may make others
     # vary, so until nothing changes (each round only turns replicated leaves per device).
     while True:
-      varying = self._updated_state_varying(params, param_specs, specs, model_specs,
-                                            local_update)
-      specs, changed = _per_device_specs(shapes, specs, varying, self._names)
+      params_varying, state_varying = self._updated_varying(params, param_specs, specs,
+                                                            model_specs, param_axes)
+      specs, changed = _per_device_specs(shapes, specs, state_varying, self._names)
+      if param_axes is not None and not set(params_varying) <= set(param_axes):
+        param_axes = tuple(name for name in self._names
+                           if name in {*param_axes, *params_varying})
+        specs, changed = self._known_specs(shapes, param_axes), True
       if not changed:
-        return specs, model_specs
+        return specs, model_specs, param_axes
 
-  def _updated_state_varying(self, params, param_specs, specs, model_specs, local_update):
-    """For each leaf of the state, the data axes the update's new state varies over."""
+  def _known_specs(self, shapes, param_axes):
+    """What :func:`~qsgd_jax.state_partition_specs` says: a local-update optimizer's
+    workers along ``param_axes``, the other data axes a worker's devices."""
+    if param_axes is None:
+      return state_partition_specs(shapes, self._axis)
+    within = tuple(name for name in self._names if name not in param_axes)
+    return state_partition_specs(shapes, axis_name(param_axes),
+                                 split_axis=axis_name(within) if within else None)
+
+  def _updated_varying(self, params, param_specs, specs, model_specs, param_axes):
+    """The data axes the update makes the parameters vary over, and each leaf of the new
+    state."""
     found = []
 
     def probe(params, opt_state):
       local = axes.as_varying(params, self._axis)
-      _, new_state = self._optimizer.update(local, opt_state, local if local_update else params)
-      found.append([varying_over(leaf, self._names) for leaf in jax.tree.leaves(new_state)])
+      updated = params if param_axes is None else axes.as_varying(params, param_axes)
+      updates, new_state = self._optimizer.update(local, opt_state, updated)
+      found.append((tuple(name for leaf in jax.tree.leaves(updates)
+                          for name in varying_over(leaf, self._names)),
+                    [varying_over(leaf, self._names) for leaf in jax.tree.leaves(new_state)]))
       return jnp.zeros(())
 
     init = model_axes.with_model_axes(self._optimizer.init, self._model, (param_specs,))
@@ -91,6 +110,11 @@ class StateLayout:
   def _map(self, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=set(self._names))
+
+
+def axis_name(names: tuple[str, ...]) -> axes.AxisName:
+  """What ``PartitionSpec`` and the transforms take for ``names``: one name, or the tuple."""
+  return names if len(names) > 1 else names[0]
 
 
 def varying_over(x, names: Sequence[str]) -> tuple[str, ...]:
