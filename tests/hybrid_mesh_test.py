@@ -329,6 +329,9 @@ def test_compressed_adams_keep_the_layout_and_send_signs_across_the_data_axis(ru
   float32_across, float32_within = _float32_bytes(mesh)
   assert across * 20 <= float32_across
   assert within <= 1.1 * float32_within
+  # The last step was a 1-bit one: its stats count what a device sent of its own shards (all
+  # of it across the data axis), to within the HLO's scalar all-reduces.
+  assert abs(float(core.stats.wire_bits) / 8 - across) <= 16
 
 
 def test_onebit_adam_exchanges_each_shard_as_deepspeed_does(onebit_steps):
@@ -376,7 +379,7 @@ def test_powersgd_compresses_each_devices_block_as_a_matrix(powersgd_steps):
 
 
 def test_powersgd_sends_its_factors_across_the_data_axis_alone(powersgd_steps):
-  _, _, hlo, _ = powersgd_steps
+  _, (_, state), hlo, _ = powersgd_steps
   mesh = _mesh()
   for collective in qsgd_jax.collectives_in_hlo(hlo):
     if collective.crosses(mesh, "data"):  # The factors' and exact leaves' all-reduces.
@@ -385,6 +388,7 @@ def test_powersgd_sends_its_factors_across_the_data_axis_alone(powersgd_steps):
   float32_across, float32_within = _float32_bytes(mesh)
   assert across * 10 <= float32_across
   assert within <= 1.1 * float32_within
+  assert abs(float(state[0].stats.wire_bits) / 8 - across) <= 16  # A device's own blocks.
 
 
 def _along_data(spec):
@@ -457,6 +461,7 @@ def test_decentralized_replicas_are_each_shards_peers_model(decentralized_run):
   # One byte an element (and a scale a bucket) to the one peer, against float32's all-reduce.
   assert across * 3.5 <= float32_across
   assert qsgd_jax.wire_bytes(hlo) - across <= 1.1 * float32_within
+  assert float(state.stats.wire_bits) / 8 == across  # A device's own shards.
 
 
 @pytest.mark.parametrize("make", [

@@ -49,8 +49,9 @@ def check_mesh_axes(tree, reduction_axes: axes.Axes, owner: str) -> None:
             f"{name!r} (PartitionSpec{tuple(spec)}) that this transform averages over: each "
             "device holds a piece of that leaf, not a value of its own to average. That is "
             "FSDP's layout: gather the parameters with qsgd_jax.fsdp_gather (its gradient "
-            "reduce-scatters the pieces), or lay the leaf out over the other mesh axes only.")
-
+            "reduce-scatters the pieces), or lay the leaf out over the other mesh axes only. "
+            f"(A leaf holding one copy a device along {name!r} is each device's own inside a "
+            f"jax.shard_map manual over {name!r}: call the transform there.)")
 
 
 def _is_mapped(name: str) -> bool:
