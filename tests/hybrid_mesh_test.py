@@ -69,6 +69,14 @@ def _specs(tree):
   return jax.tree.map(lambda x: x.sharding.spec, tree)
 
 
+def _specs_in_the_group(abstract_state):
+  """Each state leaf's spec over the model axes inside a data group: its sharding's, the data
+  axis out."""
+  return jax.tree.map(
+      lambda shape: P(*(tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n != "data")
+                        or None for e in shape.sharding.spec)), abstract_state)
+
+
 def _data_replicas_agree(tree):
   """Every device of a data group holds the same bits as its peers in the other groups."""
   for leaf in jax.tree.leaves(tree):
@@ -154,11 +162,7 @@ def test_a_hand_written_step_is_data_parallels():
   tx = optax.chain(qsgd_jax.qsgd("data", bits=4, error_feedback=True), optax.adam(1e-2))
   init, step, abstract_state = qsgd_jax.data_parallel(_loss, tx, mesh, "data")
   params = _params(mesh)
-  state_specs = jax.tree.map(lambda s: s.sharding.spec, abstract_state(params))
-  in_the_group = jax.tree.map(  # Over the model axes inside a data group: the data axis out.
-      lambda spec: P(*(tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n != "data")
-                       or None for e in spec)), state_specs,
-      is_leaf=lambda x: isinstance(x, P))
+  in_the_group = _specs_in_the_group(abstract_state(params))
   over_data = qsgd_jax.state_partition_specs(abstract_state(params), "data")
 
   def train_step(params, state, x):
@@ -510,3 +514,42 @@ def test_resize_moves_a_state_between_numbers_of_data_groups(powersgd_steps, one
                                     drop=True)
   chex.assert_trees_all_equal_shapes(dropped[0].worker_error, onebit_target[0].worker_error)
   assert not any(np.any(e) for e in dropped[0].worker_error)
+
+
+@pytest.mark.parametrize("run, make", [
+    ("onebit_steps", lambda: qsgd_jax.onebit_adam(1e-2, "data", freeze_step=1)),
+    ("powersgd_steps", lambda: optax.chain(qsgd_jax.powersgd("data", rank=2, start_iter=2),
+                                           optax.sgd(1.0))),
+], ids=["onebit_adam", "powersgd"])
+def test_a_non_finite_gradient_in_one_shard_skips_the_step_on_every_device(run, make, request):
+  """A NaN in one element of one data group's gradient, in one block of w2: every device of
+  every shard of every leaf skips the compressed step together, its state kept."""
+  mesh = _mesh()
+  tx = make()
+  _, (params, state), _, abstract_state = request.getfixturevalue(run)
+  in_the_group = _specs_in_the_group(abstract_state)
+  over_data = qsgd_jax.state_partition_specs(abstract_state, "data")
+
+  def update(grads, state, params):
+    grads = jax.tree.map(lambda g: g[0], grads)  # This data group's.
+    return jax.sharding.explicit_axes(tx.update, axes=MODEL,
+                                      in_sharding=(SPECS, in_the_group, SPECS))(grads, state,
+                                                                                params)
+
+  update = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("data"), over_data, P()),
+                                 out_specs=(P(), over_data), axis_names={"data"}))
+  by_group = _group_gradients(params)
+  grads = {name: np.stack([g[name] for g in by_group]) for name in SHAPES}
+  grads["w2"][0, 0, 0] = np.nan
+  grads = {name: jax.device_put(g, NamedSharding(mesh, P("data", *SPECS[name])))
+           for name, g in grads.items()}
+  updates, new_state = jax.block_until_ready(update(grads, state, params))
+  skipped = 0.0 if run == "onebit_steps" else np.nan  # apply_if_finite's zeros; the NaN.
+  for name, leaf in jax.device_get(updates).items():
+    np.testing.assert_array_equal(leaf, np.full(leaf.shape, skipped, np.float32), err_msg=name)
+  core, new_core = state[0], new_state[0]
+  kept = (("worker_error", "server_error", "mu", "nu", "count") if run == "onebit_steps"
+          else ("error", "q_memory", "p_memory"))
+  for field in kept:
+    chex.assert_trees_all_equal(jax.device_get(getattr(new_core, field)),
+                                jax.device_get(getattr(core, field)))
