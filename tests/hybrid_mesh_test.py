@@ -553,3 +553,15 @@ def test_a_non_finite_gradient_in_one_shard_skips_the_step_on_every_device(run, 
   for field in kept:
     chex.assert_trees_all_equal(jax.device_get(getattr(new_core, field)),
                                 jax.device_get(getattr(core, field)))
+
+
+def test_onebit_adams_auto_freeze_is_one_decision_on_every_device():
+  """The variance's shares are read from the whole variance (every shard's), so every device
+  freezes at the same count."""
+  tx = qsgd_jax.onebit_adam(1e-2, "data", freeze_step="auto", auto_freeze_window=2,
+                            auto_freeze_tolerance=1.0)
+  _, state, _, _ = _run(tx, _mesh(), steps=3)
+  core = state[0]
+  # The window is full after the second update, where any drift is within the tolerance.
+  assert {int(shard.data) for shard in core.freeze_count.addressable_shards} == {2}
+  _data_replicas_agree((core.variance_history, core.nu))
