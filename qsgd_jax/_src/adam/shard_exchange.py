@@ -30,7 +30,7 @@ import numpy as np
 
 from qsgd_jax._src import axes as axes_lib
 from qsgd_jax._src import shards
-from qsgd_jax._src.adam import sign_exchange
+from qsgd_jax._src.adam import common, sign_exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +104,24 @@ def make_plan(compressed: list, sizes: tuple[int, ...], owner: str) -> ExchangeP
   return ExchangePlan(groups, tuple(layouts), tuple(counts))
 
 
-def initial_errors(exchange_plan: ExchangePlan, compressed: list, reduction_axes: axes_lib.Axes):
-  """Zero worker and server errors, one a group (empty tuples when nothing is compressed).
+def initial_errors(params, leaves: common.Leaves, reduction_axes: axes_lib.Axes, axis_size,
+                   owner: str):
+  """``init``'s compressed leaves of ``params`` (those ``leaves`` says are) and their zero
+  worker and server errors, one a group (empty tuples when nothing is compressed).
 
-  Each device's own: typed varying over the averaged axes where ``init`` runs
-  inside ``jax.shard_map``, as the exchange's new errors are, so that an
-  update in the same mapped function finds the same types in both branches
-  of its switch.
+  The errors are each device's own: typed varying over the averaged axes
+  where ``init`` runs inside ``jax.shard_map``, as the exchange's new errors
+  are, so that an update in the same mapped function finds the same types in
+  both branches of its switch. The axes' sizes are read where they are
+  bound, else from ``axis_size``.
+
+  Returns:
+    ``(compressed, worker_error, server_error)``.
   """
+  flat = jax.tree.leaves(params)
+  compressed = [flat[i] for i in leaves.compressed]
+  sizes = common.mapped_sizes(reduction_axes, axis_size, owner)
+  exchange_plan = make_plan(compressed, sizes, owner)
   worker, server = [], []
   for group, layout in zip(exchange_plan.groups, exchange_plan.layouts, strict=True):
 
@@ -125,12 +135,12 @@ def initial_errors(exchange_plan: ExchangePlan, compressed: list, reduction_axes
     worker.append(worker_error)
     server.append(server_error)
   errors = (tuple(worker), tuple(server))
-  if reduction_axes.is_local or not worker:
-    return errors
-  try:
-    return axes_lib.as_varying(errors, reduction_axes.name)
-  except NameError:  # init outside the mapped function, sized by axis_size.
-    return errors
+  if not reduction_axes.is_local and worker:
+    try:
+      errors = axes_lib.as_varying(errors, reduction_axes.name)
+    except NameError:  # init outside the mapped function, sized by axis_size.
+      pass
+  return (compressed, *errors)
 
 
 def check_error_shapes(owner: str, worker_error, exchange_plan: ExchangePlan) -> None:

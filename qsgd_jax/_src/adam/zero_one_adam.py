@@ -228,11 +228,8 @@ def zero_one_adam(
   def init_fn(params):
     axis_checks.check_mesh_axes(params, axes, owner)
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
-    sizes = common.mapped_sizes(axes, axis_size, owner)
-    flat = jax.tree.leaves(params)
-    compressed = [flat[i] for i in leaves.compressed]
-    exchange_plan = shard_exchange.make_plan(compressed, sizes, owner)
-    worker_error, server_error = shard_exchange.initial_errors(exchange_plan, compressed, axes)
+    compressed, worker_error, server_error = shard_exchange.initial_errors(
+        params, leaves, axes, axis_size, owner)
     one = jnp.ones((), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     return ZeroOneAdamState(
