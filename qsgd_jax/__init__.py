@@ -21,7 +21,8 @@ which resumes per-device state on another number of devices.
 
 from qsgd_jax import elias, resize
 from qsgd_jax._src.accumulation import AccumulationState, accumulate_gradients
-from qsgd_jax._src.adam.onebit_adam import ScaleByOneBitAdamState, onebit_adam, scale_by_onebit_adam
+from qsgd_jax._src.adam.alias import onebit_adam
+from qsgd_jax._src.adam.onebit_adam import ScaleByOneBitAdamState, scale_by_onebit_adam
 from qsgd_jax._src.adam.zero_one_adam import ZeroOneAdamState, zero_one_adam
 from qsgd_jax._src.averaging.alias import onebit_sgd, qsgd
 from qsgd_jax._src.averaging.allreduce import CompressedAllReduceState, compressed_allreduce

@@ -2,6 +2,7 @@
 tensor, as Flax lm1b lays it out): each device compresses and sends its own shard."""
 
 import chex
+import deepspeed_reference as ds
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +67,14 @@ def _compilers_step(mesh, learning_rate, steps=2):
 
 def _specs(tree):
   return jax.tree.map(lambda x: x.sharding.spec, tree)
+
+
+def _specs_in_the_group(abstract_state):
+  """Each state leaf's spec over the model axes inside a data group: its sharding's, the data
+  axis out."""
+  return jax.tree.map(
+      lambda shape: P(*(tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n != "data")
+                        or None for e in shape.sharding.spec)), abstract_state)
 
 
 def _data_replicas_agree(tree):
@@ -153,11 +162,7 @@ def test_a_hand_written_step_is_data_parallels():
   tx = optax.chain(qsgd_jax.qsgd("data", bits=4, error_feedback=True), optax.adam(1e-2))
   init, step, abstract_state = qsgd_jax.data_parallel(_loss, tx, mesh, "data")
   params = _params(mesh)
-  state_specs = jax.tree.map(lambda s: s.sharding.spec, abstract_state(params))
-  in_the_group = jax.tree.map(  # Over the model axes inside a data group: the data axis out.
-      lambda spec: P(*(tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n != "data")
-                       or None for e in spec)), state_specs,
-      is_leaf=lambda x: isinstance(x, P))
+  in_the_group = _specs_in_the_group(abstract_state(params))
   over_data = qsgd_jax.state_partition_specs(abstract_state(params), "data")
 
   @jax.sharding.explicit_axes(axes=MODEL, in_sharding=(SPECS, in_the_group, SPECS))
@@ -230,3 +235,340 @@ def test_diloco_keeps_a_copy_a_data_group_laid_out_as_the_params():
   _data_replicas_agree(state.global_params)
   assert not [c for c in qsgd_jax.collectives_in_hlo(hlo)
               if c.crosses(mesh, MODEL) and c.result_type.startswith(("u32", "(u32"))]
+
+
+# The library's other families: the compressed Adams, PowerSGD and decentralized SGD.
+
+
+def _payloads_crossing_model_axes(hlo, mesh):
+  """The collectives of packed payloads (``uint32`` words) whose groups span a model axis."""
+  return [c for c in qsgd_jax.collectives_in_hlo(hlo)
+          if c.crosses(mesh, MODEL) and c.result_type.startswith(("u32", "(u32"))]
+
+
+def _cheapest_branch_bytes(hlo, mesh):
+  """``(across, within)``: the bytes a device sends across the data axis and inside its data
+  group in the step's branch that sends the fewest across (after a freeze, a warm-up)."""
+  across = qsgd_jax.wire_bytes_by_branch(hlo, mesh=mesh, across="data")
+  total = qsgd_jax.wire_bytes_by_branch(hlo)
+  (branches,) = across.conditionals
+  cheapest = int(np.argmin(branches))
+  return across.sent(cheapest), total.sent(cheapest) - across.sent(cheapest)
+
+
+def _float32_bytes(mesh):
+  """``(across, within)`` of the compiler's float32 step."""
+  _, hlo = _compilers_step(mesh, 0.1)
+  across = qsgd_jax.wire_bytes(hlo, mesh=mesh, across="data")
+  return across, qsgd_jax.wire_bytes(hlo) - across
+
+
+def _group_gradients(params):
+  """Each data group's gradient of its half of the batch, computed on the host."""
+  x = _batch()
+  host = jax.device_get(params)
+  return [jax.device_get(jax.jit(jax.grad(_loss))(host, x[8 * g:8 * (g + 1)])) for g in range(2)]
+
+
+def _blocks(name):
+  """The index ranges of each device's block of a leaf (rows, columns), in the order the
+  devices of the leaf's axes lay out a per-shard memory (fsdp major)."""
+  rows, columns = SHAPES[name]
+  row_blocks = 2 if SPECS[name][0] == "fsdp" else 1
+  column_blocks = 2 if SPECS[name][1] in ("fsdp", "tensor") else 1
+  r, c = rows // row_blocks, columns // column_blocks
+  return [(slice(i * r, (i + 1) * r), slice(j * c, (j + 1) * c))
+          for i in range(row_blocks) for j in range(column_blocks)]
+
+
+@pytest.fixture(scope="module")
+def onebit_steps():
+  """1-bit Adam through data_parallel: the state after its warm-up step, after its first
+  frozen step, and the step's program."""
+  tx = qsgd_jax.onebit_adam(1e-2, "data", freeze_step=1)
+  return _steps_around(tx, before=1)
+
+
+@pytest.fixture(scope="module")
+def zero_one_run():
+  tx = qsgd_jax.zero_one_adam(1e-2, "data", var_freeze_step=1, local_step_clipper=1)
+  return _run(tx, _mesh(), steps=3)
+
+
+@pytest.fixture(scope="module")
+def powersgd_steps():
+  """PowerSGD (rank 2) then SGD at 1 through data_parallel: the params and state before and
+  after its first compressed step, and the step's program."""
+  tx = optax.chain(qsgd_jax.powersgd("data", rank=2, start_iter=2), optax.sgd(1.0))
+  return _steps_around(tx, before=2)
+
+
+def _steps_around(tx, before):
+  mesh = _mesh()
+  init, step, abstract_state = qsgd_jax.data_parallel(_loss, tx, mesh, "data")
+  params = _params(mesh)
+  state = init(params)
+  for _ in range(before):
+    params, state, _ = jax.block_until_ready(step(params, state, _batch()))
+  after = jax.block_until_ready(step(params, state, _batch()))[:2]
+  hlo = step.lower(*after, _batch()).compile().as_text()
+  return (params, state), after, hlo, abstract_state(_params(mesh))
+
+
+def _compressed_adam_core(state):
+  return state[0] if isinstance(state[0], qsgd_jax.ScaleByOneBitAdamState) else state
+
+
+@pytest.mark.parametrize("run", ["onebit_steps", "zero_one_run"])
+def test_compressed_adams_keep_the_layout_and_send_signs_across_the_data_axis(run, request):
+  found = request.getfixturevalue(run)
+  params, state = found[1] if run == "onebit_steps" else found[:2]
+  hlo, abstract_state = found[-2:]
+  mesh = _mesh()
+  core = _compressed_adam_core(state)
+  assert _specs(params) == SPECS
+  assert _specs(core.mu) == SPECS and _specs(core.nu) == SPECS
+  # One error a group of compressed leaves (w1 over fsdp, w2 over both), each device's own.
+  for errors in (core.worker_error, core.server_error):
+    assert [e.sharding.spec for e in errors] == [P(("data", "fsdp")),
+                                                 P(("data", "fsdp", "tensor"))]
+  assert jax.tree.map(lambda s: s.sharding, abstract_state) == jax.tree.map(
+      lambda x: x.sharding, state)
+  _data_replicas_agree((params, core.mu, core.nu))
+  assert not _payloads_crossing_model_axes(hlo, mesh)
+  across, within = _cheapest_branch_bytes(hlo, mesh)
+  float32_across, float32_within = _float32_bytes(mesh)
+  assert across * 20 <= float32_across
+  assert within <= 1.1 * float32_within
+  # The last step was a 1-bit one: its stats count what a device sent of its own shards (all
+  # of it across the data axis), to within the HLO's scalar all-reduces.
+  assert abs(float(core.stats.wire_bits) / 8 - across) <= 16
+
+
+def test_onebit_adam_exchanges_each_shard_as_deepspeed_does(onebit_steps):
+  """The first frozen step's momentum of each device's block is DeepSpeed's 1-bit average of
+  the two data groups' momenta of that block, as if each block were a tensor of its own."""
+  (params, state), (_, after), _, _ = onebit_steps
+  mu = jax.device_get(state[0].mu)
+  new_mu = jax.device_get(after[0].mu)
+  for name in ("w1", "w2"):
+    local = [0.9 * mu[name] + 0.1 * grads[name] for grads in _group_gradients(params)]
+    for rows, columns in _blocks(name):
+      vectors = [m[rows, columns].reshape(-1) for m in local]
+      padded = ds.padded_size(vectors[0].size, 2)
+      expected = ds.compressed_allreduce(
+          vectors, [np.zeros(padded, np.float32) for _ in range(2)],
+          [np.zeros(padded // 2, np.float32) for _ in range(2)])
+      np.testing.assert_allclose(new_mu[name][rows, columns].reshape(-1), expected,
+                                 rtol=1e-5, atol=1e-8, err_msg=name)
+
+
+def test_powersgd_compresses_each_devices_block_as_a_matrix(powersgd_steps):
+  """The first compressed step's update of each block is the projection of the data groups'
+  mean block onto the span of that block times its own Q (Vogels et al., Algorithm 1 from
+  a zero error), and the exact leaves' update the mean."""
+  (params, state), (new_params, new_state), _, _ = powersgd_steps
+  grads = _group_gradients(params)
+  moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(params),
+                       jax.device_get(new_params))
+  q_memory = dict(zip(("w1", "w2"), jax.device_get(state[0].q_memory), strict=True))
+  for name, mean in jax.tree.map(lambda a, b: (a + b) / 2, *grads).items():
+    if name not in q_memory:
+      np.testing.assert_allclose(moved[name], mean, rtol=1e-4, atol=1e-7, err_msg=name)
+      continue
+    for (rows, columns), q in zip(_blocks(name), q_memory[name], strict=True):
+      block = mean[rows, columns].astype(np.float64)
+      basis, _ = np.linalg.qr(block @ q)
+      expected = basis @ basis.T @ block
+      np.testing.assert_allclose(moved[name][rows, columns], expected, rtol=0,
+                                 atol=1e-4 * np.abs(expected).max(), err_msg=name)
+  assert [e.sharding.spec for e in new_state[0].error] == [P(("data", "fsdp")),
+                                                           P(("data", "fsdp", "tensor"))]
+  for memory in (new_state[0].q_memory, new_state[0].p_memory):
+    assert [m.sharding.spec for m in memory] == [P("fsdp"), P(("fsdp", "tensor"))]
+  _data_replicas_agree((new_params, new_state[0].q_memory, new_state[0].p_memory))
+
+
+def test_powersgd_sends_its_factors_across_the_data_axis_alone(powersgd_steps):
+  _, (_, state), hlo, _ = powersgd_steps
+  mesh = _mesh()
+  for collective in qsgd_jax.collectives_in_hlo(hlo):
+    if collective.crosses(mesh, "data"):  # The factors' and exact leaves' all-reduces.
+      assert not collective.crosses(mesh, MODEL), collective
+  across, within = _cheapest_branch_bytes(hlo, mesh)
+  float32_across, float32_within = _float32_bytes(mesh)
+  assert across * 10 <= float32_across
+  assert within <= 1.1 * float32_within
+  assert abs(float(state[0].stats.wire_bits) / 8 - across) <= 16  # A device's own blocks.
+
+
+def _along_data(spec):
+  """A leaf's spec over the mesh when each worker's copy lies end to end along its first
+  dimension over the data axis: the data axis, then the model axes of that dimension."""
+  first = spec[0] if len(spec) else None
+  names = ("data",) + (() if first is None else (first,) if isinstance(first, str) else first)
+  return P(names, *spec[1:])
+
+
+@pytest.fixture(scope="module")
+def decentralized_run():
+  """Decentralized SGD by a hand-written step: a jax.shard_map manual over the data axis, a
+  model a data group (its copy end to end along the first dimension), the update with the
+  model axes explicit. data_parallel takes no optimizer whose models differ between syncs
+  but DiLoCo."""
+  mesh = _mesh()
+  tx = qsgd_jax.low_precision_decentralized(optax.sgd(0.1), "data")
+  host = jax.device_get(_params(mesh))
+  whole = {name: _along_data(spec) for name, spec in SPECS.items()}
+  params = {name: jax.device_put(np.concatenate([x, x]), NamedSharding(mesh, whole[name]))
+            for name, x in host.items()}
+  shapes = jax.eval_shape(tx.init, host)
+  over_data = qsgd_jax.state_partition_specs(shapes, "data")
+  # Over the model axes: the replicas as the params, the key and stats whole.
+  in_the_group = jax.tree.map(lambda _: P(), shapes)._replace(left_replica=SPECS,
+                                                              right_replica=SPECS)
+  state_specs = jax.tree.map(lambda _: P(), shapes)._replace(left_replica=whole,
+                                                             right_replica=whole)
+
+  def train_step(params, state, x):
+    grads = jax.grad(_loss)(params, x)  # Each worker's params are its own: varying over data.
+    update = jax.sharding.explicit_axes(tx.update, axes=MODEL,
+                                        in_sharding=(SPECS, in_the_group, SPECS))
+    updates, state = update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def named(specs):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  init = jax.jit(jax.shard_map(
+      jax.sharding.explicit_axes(tx.init, axes=MODEL, in_sharding=(SPECS,)), mesh=mesh,
+      in_specs=P("data"), out_specs=over_data, axis_names={"data"}),
+      out_shardings=named(state_specs))
+  step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P("data"), over_data, P("data")),
+                               out_specs=(P("data"), over_data), axis_names={"data"}),
+                 out_shardings=(named(whole), named(state_specs)))
+  state = init(params)
+  for _ in range(2):
+    params, state = jax.block_until_ready(step(params, state, _batch()))
+  return params, state, step.lower(params, state, _batch()).compile().as_text(), whole
+
+
+def test_decentralized_replicas_are_each_shards_peers_model(decentralized_run):
+  params, state, hlo, whole = decentralized_run
+  mesh = _mesh()
+  assert _specs(params) == whole
+  assert _specs(state.left_replica) == whole and _specs(state.right_replica) == whole
+  # With two workers both replicas hold the one peer's model, bit for bit, shard by shard.
+  for name, x in jax.device_get(params).items():
+    own = np.split(x, 2)
+    for replica in (state.left_replica, state.right_replica):
+      peers = np.split(np.asarray(replica[name]), 2)
+      np.testing.assert_array_equal(peers[0], own[1], err_msg=name)
+      np.testing.assert_array_equal(peers[1], own[0], err_msg=name)
+  assert not _payloads_crossing_model_axes(hlo, mesh)
+  across = qsgd_jax.wire_bytes(hlo, mesh=mesh, across="data")
+  float32_across, float32_within = _float32_bytes(mesh)
+  # One byte an element (and a scale a bucket) to the one peer, against float32's all-reduce.
+  assert across * 3.5 <= float32_across
+  assert qsgd_jax.wire_bytes(hlo) - across <= 1.1 * float32_within
+  assert float(state.stats.wire_bits) / 8 == across  # A device's own shards.
+
+
+@pytest.mark.parametrize("make", [
+    lambda axis: qsgd_jax.onebit_adam(1e-2, axis, freeze_step=1),
+    lambda axis: qsgd_jax.zero_one_adam(1e-2, axis, var_freeze_step=1, local_step_clipper=1),
+    lambda axis: optax.chain(qsgd_jax.powersgd(axis, start_iter=2), optax.sgd(0.1)),
+    lambda axis: qsgd_jax.low_precision_decentralized(optax.sgd(0.1), axis),
+], ids=["onebit_adam", "zero_one_adam", "powersgd", "low_precision_decentralized"])
+def test_an_axis_a_leaf_is_laid_out_over_or_the_mesh_lacks_is_an_error(make):
+  mesh = _mesh()
+  params = _params(mesh)
+  for axis, message in (
+      ("fsdp", r"leaf \['w1'\] is laid out over the axis 'fsdp'.*qsgd_jax.fsdp_gather"),
+      ("batch", r"axis_name 'batch' is not an axis of the mesh, whose axes are \('data'")):
+    init, _, _ = qsgd_jax.data_parallel(_loss, make(axis), mesh, "data")
+    with pytest.raises(ValueError, match=message):
+      init(params)
+
+
+def test_resize_moves_a_state_between_numbers_of_data_groups(powersgd_steps, onebit_steps):
+  """Per-device errors are the data groups' rows of each shard's: a state saved on two data
+  groups resumes on one with the same model axes; another layout of the model is an error."""
+  powersgd = optax.chain(qsgd_jax.powersgd("data", rank=2, start_iter=2), optax.sgd(1.0))
+  _, (_, state), _, _ = powersgd_steps
+
+  def target(tx, mesh):
+    return qsgd_jax.data_parallel(_loss, tx, mesh, "data").abstract_state(_params(mesh))
+
+  one_group = jax.make_mesh((1, 2, 2), AXES, axis_types=(AxisType.Auto,) * 3)
+  resized = qsgd_jax.resize_state(state, target(powersgd, one_group), from_devices=2,
+                                  to_devices=1)
+  for saved, error in zip(state[0].error, resized[0].error, strict=True):
+    halves = np.split(np.asarray(saved), 2)  # Each data group's errors of its shards.
+    np.testing.assert_allclose(error, (halves[0] + halves[1]) / 2, rtol=1e-6)
+  chex.assert_trees_all_equal(resized[0].q_memory, jax.device_get(state[0].q_memory))
+  other_model = jax.make_mesh((1, 4, 2), AXES, axis_types=(AxisType.Auto,) * 3)
+  with pytest.raises(ValueError, match="model axes"):
+    qsgd_jax.resize_state(state, target(powersgd, other_model), from_devices=2, to_devices=1)
+  onebit = qsgd_jax.onebit_adam(1e-2, "data", freeze_step=1)
+  _, (_, onebit_state), _, _ = onebit_steps
+  onebit_target = target(onebit, one_group)
+  with pytest.raises(ValueError, match="drop=True"):
+    qsgd_jax.resize_state(onebit_state, onebit_target, from_devices=2, to_devices=1)
+  with pytest.warns(UserWarning, match="worker_error"):
+    dropped = qsgd_jax.resize_state(onebit_state, onebit_target, from_devices=2, to_devices=1,
+                                    drop=True)
+  chex.assert_trees_all_equal_shapes(dropped[0].worker_error, onebit_target[0].worker_error)
+  assert not any(np.any(e) for e in dropped[0].worker_error)
+
+
+@pytest.mark.parametrize("run, make", [
+    ("onebit_steps", lambda: qsgd_jax.onebit_adam(1e-2, "data", freeze_step=1)),
+    ("powersgd_steps", lambda: optax.chain(qsgd_jax.powersgd("data", rank=2, start_iter=2),
+                                           optax.sgd(1.0))),
+], ids=["onebit_adam", "powersgd"])
+def test_a_non_finite_gradient_in_one_shard_skips_the_step_on_every_device(run, make, request):
+  """A NaN in one element of one data group's gradient, in one block of w2: every device of
+  every shard of every leaf skips the compressed step together, its state kept."""
+  mesh = _mesh()
+  tx = make()
+  _, (params, state), _, abstract_state = request.getfixturevalue(run)
+  in_the_group = _specs_in_the_group(abstract_state)
+  over_data = qsgd_jax.state_partition_specs(abstract_state, "data")
+
+  def update(grads, state, params):
+    grads = jax.tree.map(lambda g: g[0], grads)  # This data group's.
+    return jax.sharding.explicit_axes(tx.update, axes=MODEL,
+                                      in_sharding=(SPECS, in_the_group, SPECS))(grads, state,
+                                                                                params)
+
+  update = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("data"), over_data, P()),
+                                 out_specs=(P(), over_data), axis_names={"data"}))
+  by_group = _group_gradients(params)
+  grads = {name: np.stack([g[name] for g in by_group]) for name in SHAPES}
+  grads["w2"][0, 0, 0] = np.nan
+  grads = {name: jax.device_put(g, NamedSharding(mesh, P("data", *SPECS[name])))
+           for name, g in grads.items()}
+  updates, new_state = jax.block_until_ready(update(grads, state, params))
+  skipped = 0.0 if run == "onebit_steps" else np.nan  # apply_if_finite's zeros; the NaN.
+  for name, leaf in jax.device_get(updates).items():
+    np.testing.assert_array_equal(leaf, np.full(leaf.shape, skipped, np.float32), err_msg=name)
+  core, new_core = state[0], new_state[0]
+  kept = (("worker_error", "server_error", "mu", "nu", "count") if run == "onebit_steps"
+          else ("error", "q_memory", "p_memory"))
+  for field in kept:
+    chex.assert_trees_all_equal(jax.device_get(getattr(new_core, field)),
+                                jax.device_get(getattr(core, field)))
+
+
+def test_onebit_adams_auto_freeze_is_one_decision_on_every_device():
+  """The variance's shares are read from the whole variance (every shard's), so every device
+  freezes at the same count."""
+  tx = qsgd_jax.onebit_adam(1e-2, "data", freeze_step="auto", auto_freeze_window=2,
+                            auto_freeze_tolerance=1.0)
+  _, state, _, _ = _run(tx, _mesh(), steps=3)
+  core = state[0]
+  # The window is full after the second update, where any drift is within the tolerance.
+  assert {int(shard.data) for shard in core.freeze_count.addressable_shards} == {2}
+  _data_replicas_agree((core.variance_history, core.nu))

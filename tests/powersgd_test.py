@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
-from qsgd_jax._src.powersgd import low_rank
+from qsgd_jax._src.powersgd import low_rank, shard_step
 from qsgd_jax._src.powersgd import transform as powersgd_module
 
 AXIS = "batch"
@@ -99,7 +99,7 @@ def test_steps_are_pytorchs_hook_on_each_leafs_matrix():
           drawn = host_arrays(state.q_memory)
           return [q[0] for q in drawn]
         step_key = jax.random.split(state.key[0])[1]
-        return host_arrays(powersgd_module.draw_q(step_key, plan))
+        return host_arrays(shard_step.draw_q(step_key, plan))
 
       tensors = [grads[step][name].reshape(NUM_WORKERS, *low_rank.matrix_shape(_SHAPES[name]))
                  if name in _COMPRESSED else grads[step][name] for name in names]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src.adam import sign_exchange
+from qsgd_jax._src import shards
 
 FreezeStep = int | Literal["auto"]
 # The float32 path for leaves under this many elements (biases, norm scales), as the
@@ -34,11 +34,12 @@ class Leaves:
   """How each leaf of a gradient tree travels, decided from static shapes.
 
   Attributes:
-    shapes: each leaf's shape, in tree order.
+    sizes: each leaf's elements on one device (its own shard, on a mesh whose
+      model is sharded over other axes), in tree order.
     kinds: ``"compressed"``, ``"float32"`` or ``"other"`` (not float) a leaf.
   """
 
-  shapes: tuple[tuple[int, ...], ...]
+  sizes: tuple[int, ...]
   kinds: tuple[str, ...]
 
   def indices(self, kind: str) -> tuple[int, ...]:
@@ -53,15 +54,8 @@ class Leaves:
     return self.indices("float32")
 
   def elements(self, kind: str) -> int:
-    return sum(math.prod(self.shapes[i]) for i in self.indices(kind))
-
-  def shares(self, inner_size: int) -> tuple[int, ...]:
-    """Elements of each compressed leaf that one of ``inner_size`` devices of a node exchanges."""
-    return tuple(-(-math.prod(self.shapes[i]) // inner_size) for i in self.compressed)
-
-  def layout(self, num_devices: int, inner_size: int = 1) -> sign_exchange.SignLayout:
-    """The exchange's layout of the compressed leaves' shares over ``num_devices``."""
-    return sign_exchange.sign_layout(self.shares(inner_size), num_devices)
+    """Elements of the leaves of ``kind`` on one device."""
+    return sum(self.sizes[i] for i in self.indices(kind))
 
 
 def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
@@ -69,7 +63,8 @@ def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
 
   Args:
     tree: the gradients or parameters (or their ``jax.eval_shape``).
-    min_compressed_size: float leaves with fewer elements take the float32 path.
+    min_compressed_size: float leaves with fewer elements (whole leaves, however
+      they are laid out over a mesh) take the float32 path.
     compression_mask: ``None``, a pytree of bools with ``tree``'s structure, or
       a callable returning one from ``tree``; ``False`` leaves take the
       float32 path.
@@ -93,7 +88,9 @@ def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
       kinds.append("compressed")
     else:
       kinds.append("float32")
-  return Leaves(tuple(tuple(leaf.shape) for leaf in leaves), tuple(kinds))
+  sizes = tuple(math.prod(shards.local_shape(jnp.shape(leaf), shards.spec_of(leaf)))
+                for leaf in leaves)
+  return Leaves(sizes, tuple(kinds))
 
 
 def check_options(owner: str, *, b1, b2, eps, min_compressed_size) -> None:
@@ -166,44 +163,18 @@ def check_tree(owner: str, updates, params, moments) -> None:
           "with (jax.grad of the loss with respect to them).")
 
 
-def initial_errors(layout: sign_exchange.SignLayout, axes: axes_lib.Axes):
-  """Zero worker and server errors for ``layout``; empty tuples when nothing is compressed.
-
-  Each device's own: typed varying over the axes where ``init`` runs inside
-  ``jax.shard_map``, as the exchange's new errors are, so that an update in
-  the same mapped function finds the same types in both branches of its
-  switch.
-  """
-  if not layout.sizes:
-    return (), ()
-  errors = (jnp.zeros(layout.worker_error_shape().shape, jnp.float32),
-            jnp.zeros(layout.server_error_shape().shape, jnp.float32))
-  if axes.is_local:
-    return errors
-  try:
-    return axes_lib.as_varying(errors, axes.name)
-  except NameError:  # init outside the mapped function, sized by axis_size.
-    return errors
-
-
-def check_error_shapes(owner: str, worker_error, layout: sign_exchange.SignLayout) -> None:
-  """Raises ``ValueError`` where the state's error buffers are not the layout's shapes."""
-  expected = layout.worker_error_shape().shape if layout.sizes else None
-  held = getattr(worker_error, "shape", None)
-  if held == expected:
-    return
-  devices = f"{held[0]} devices" if held and len(held) == 2 else "no compressed leaf"
-  raise ValueError(
-      f"{owner}: the state's worker_error has shape {held}, this step needs {expected}: the "
-      f"state was made for {devices} on the compressed axis and this step runs on "
-      f"{layout.num_devices}, or for another parameter tree. Initialize the optimizer for this "
-      "mesh, or carry the state over with qsgd_jax.resize_state(..., drop=True).")
-
-
 def zero_update(x) -> jax.Array:
   """The update of a leaf the optimizer does not change: zeros of its dtype (``float0`` kept)."""
   return np.zeros(jnp.shape(x), jax.dtypes.float0) if jnp.result_type(
-      x) == jax.dtypes.float0 else jnp.zeros(jnp.shape(x), jnp.result_type(x))
+      x) == jax.dtypes.float0 else zeros_laid_out_as(x, jnp.result_type(x))
+
+
+def zeros_laid_out_as(x, dtype) -> jax.Array:
+  """Zeros of ``x``'s shape in ``dtype``, laid out over the explicit mesh axes as ``x`` is (on
+  a mesh whose model is sharded, its shards' layout), and the same on every device of the
+  mapped axes whatever ``x`` is there (``jnp.zeros_like`` would keep a per-device type)."""
+  sharding = jax.typeof(x).sharding if any(shards.spec_of(x)) else None
+  return jnp.zeros(jnp.shape(x), dtype, out_sharding=sharding)
 
 
 class AutoFreeze:
@@ -314,65 +285,13 @@ def _inner_name(axes: axes_lib.Axes):
   return axes.inner if len(axes.inner) > 1 else axes.inner[0]
 
 
-def exchange(vectors: list[jax.Array], worker_error: jax.Array, server_error: jax.Array,
-             leaves: Leaves, axes: axes_lib.Axes,
-             sizes: tuple[int, ...]) -> sign_exchange.Exchanged:
-  """The 1-bit average over every axis of the compressed leaves' ``vectors``.
-
-  Over one axis, DeepSpeed's exchange of each vector whole. With inner axes
-  (``m`` devices a node), each vector is zero-padded to a multiple of ``m``
-  and reduce-scattered over the inner axes in float32, so that each device of
-  a node holds the node's mean of one ``1/m`` share; the shares are averaged
-  over the outer axis by the 1-bit exchange (a scale a share), and
-  all-gathered over the inner axes. The outer links carry ``1/m`` of each
-  vector's signs a device.
-
-  Args:
-    vectors: this device's vectors, one a compressed leaf (any shape).
-    worker_error, server_error: this device's errors, for the layout of the
-      shares (:meth:`Leaves.layout` with ``inner_size=m``).
-    leaves: the tree's :class:`Leaves`.
-    axes: the reduction's axes.
-    sizes: their sizes, outer first (empty for one device).
-
-  Returns:
-    :class:`~qsgd_jax._src.adam.sign_exchange.Exchanged`, its ``vectors`` the
-    averages in the leaves' shapes, the same on every device.
-  """
-  if not vectors:
-    return sign_exchange.Exchanged([], worker_error, server_error, jnp.bool_(True))
-  n = sizes[0] if sizes else 1
-  m = math.prod(sizes[1:])
-  flat = [v.reshape(-1).astype(jnp.float32) for v in vectors]
-  layout = leaves.layout(n, m)
-  if m > 1:
-    rows = jnp.concatenate(
-        [jnp.pad(v, (0, m * share - v.shape[0])).reshape(m, share)
-         for v, share in zip(flat, layout.sizes, strict=True)], axis=1)
-    rows = axes_lib.as_varying(rows, _inner_name(axes))
-    mine = jax.lax.psum_scatter(rows, _inner_name(axes), scatter_dimension=0) / np.float32(m)
-    flat = list(jnp.split(mine, np.cumsum(layout.sizes)[:-1]))
-  out = sign_exchange.exchange(flat, worker_error, server_error, layout, axes.outer)
-  averages = out.vectors
-  if m > 1:
-    # Each share's finiteness travels with it, as a last element that is NaN if not.
-    flag = jnp.where(out.all_finite, np.float32(0), np.float32(np.nan))[None]
-    gathered = axes_lib.all_gather_replicated(jnp.concatenate([*averages, flag]),
-                                              _inner_name(axes))
-    averages = [part.reshape(-1) for part in jnp.split(
-        gathered[:, :-1], np.cumsum(layout.sizes)[:-1], axis=1)]
-    out = out._replace(all_finite=jnp.all(jnp.isfinite(gathered[:, -1])))
-  shapes = [leaves.shapes[i] for i in leaves.compressed]
-  return out._replace(vectors=[a[:math.prod(shape)].reshape(shape)
-                               for a, shape in zip(averages, shapes, strict=True)])
-
-
 def tree_select(condition: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda a, b: jnp.where(condition, a, b), new, old)
 
 
 def variance_zeros(params) -> Any:
-  """The second moment's zeros: in each parameter's dtype, but float32 for float16 ones.
+  """The second moment's zeros: in each parameter's dtype, but float32 for float16 ones, laid
+  out as the parameter is.
 
   Squared gradients underflow float16 (its smallest value is about
   :math:`6 \\times 10^{-8}`: :math:`(1 - \\beta_2) g^2` is zero for
@@ -380,8 +299,8 @@ def variance_zeros(params) -> Any:
   :math:`\\sqrt{0} + \\epsilon`; bfloat16 has float32's range.
   """
   return jax.tree.map(
-      lambda x: jnp.zeros(jnp.shape(x), jnp.float32 if jnp.result_type(x) == jnp.float16
-                          else jnp.result_type(x)), params)
+      lambda x: zeros_laid_out_as(x, jnp.float32 if jnp.result_type(x) == jnp.float16
+                                  else jnp.result_type(x)), params)
 
 
 def cast_like(new: list, old: list) -> list:

@@ -1,4 +1,4 @@
-"""1-bit Adam (Tang et al. 2021), as DeepSpeed's ``OnebitAdam`` runs it, for optax."""
+"""1-bit Adam (Tang et al. 2021), as DeepSpeed's ``OnebitAdam`` runs it, for optax: its core."""
 
 import math
 from typing import NamedTuple
@@ -8,11 +8,8 @@ import jax.numpy as jnp
 import optax
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import base, stats, wire
-from qsgd_jax._src.adam import common, sign_exchange
-
-# Skipped steps never run out: a non-finite step is always skipped, on every device together.
-_ALWAYS_SKIP = 2**31 - 1
+from qsgd_jax._src import axis_checks, base, stats, wire
+from qsgd_jax._src.adam import common, shard_exchange
 
 
 class ScaleByOneBitAdamState(NamedTuple):
@@ -20,15 +17,21 @@ class ScaleByOneBitAdamState(NamedTuple):
 
   Attributes:
     count: ``int32[]``, updates taken (a skipped non-finite step does not count).
-    mu: the first moment, like the parameters (``mu_dtype``); the same on
-      every device.
-    nu: the second moment, like the parameters; the same on every device, and
-      no longer updated for the compressed leaves once the variance is frozen.
-    worker_error: ``float32[n, width]``, this device's worker error of the
-      1-bit exchange (``n`` devices on the compressed axis; ``width`` one
-      chunk of every compressed leaf, see ``qsgd_jax/_src/sign_exchange.py``); ``()`` when
-      no leaf is compressed.
-    server_error: ``float32[width]``, this device's server error (likewise).
+    mu: the first moment, like the parameters (``mu_dtype``) and laid out as
+      they are; the same on every device of the averaged axes.
+    nu: the second moment, like the parameters; the same on every device of
+      the averaged axes, and no longer updated for the compressed leaves once
+      the variance is frozen.
+    worker_error: one ``float32[n, width]`` a group of compressed leaves,
+      this device's worker error of the 1-bit exchange (``n`` devices on the
+      compressed axis; ``width`` one chunk of every leaf of the group, see
+      ``qsgd_jax/_src/adam/sign_exchange.py``); ``()`` when no leaf is
+      compressed. Under ``jax.pmap`` or plain data parallel there is one
+      group; on a mesh whose model is sharded over other axes, one a set of
+      mesh axes that leaves are laid out over, each device's error that of
+      its own shards (see ``qsgd_jax/_src/adam/shard_exchange.py``).
+    server_error: one ``float32[width]`` a group, this device's server error
+      (likewise).
     freeze_count: ``int32[]``, the count from which the variance is frozen:
       ``freeze_step``, or with ``"auto"`` the count it chose (``2**31 - 1``
       until then).
@@ -42,15 +45,15 @@ class ScaleByOneBitAdamState(NamedTuple):
     >>> n = jax.local_device_count()
     >>> tx = qsgd_jax.scale_by_onebit_adam("batch", freeze_step=100)
     >>> state = jax.pmap(tx.init, axis_name="batch")(jnp.zeros((n, 8192)))
-    >>> int(state.count[0]), int(state.freeze_count[0])
-    (0, 100)
+    >>> int(state.count[0]), int(state.freeze_count[0]), len(state.worker_error)
+    (0, 100, 1)
   """
 
   count: jax.Array
   mu: optax.Updates
   nu: optax.Updates
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
+  worker_error: tuple[jax.Array, ...]
+  server_error: tuple[jax.Array, ...]
   freeze_count: jax.Array
   variance_history: jax.Array | tuple[()]
   stats: stats.CompressionStats
@@ -143,6 +146,21 @@ def scale_by_onebit_adam(
   replicated: :func:`~qsgd_jax.state_partition_specs` gives the layout, and
   :func:`~qsgd_jax.data_parallel` uses it.
 
+  On a mesh whose model is sharded over other axes (``fsdp``, ``tensor``)
+  inside each data group, run it as :func:`~qsgd_jax.compressed_allreduce`
+  runs there (through :func:`~qsgd_jax.data_parallel`, or under a
+  ``jax.shard_map`` manual over ``axis_name`` alone with the other axes
+  explicit): each device exchanges its own shards. The compressed leaves
+  laid out over the same mesh axes form a group, whose exchange runs in a
+  ``jax.shard_map`` manual over those axes too, so that DeepSpeed's chunks
+  are cut from a device's shards and nothing is gathered over them; each
+  group keeps its own errors (hence a tuple of them), each device's own,
+  laid out along ``axis_name`` and the group's axes. The moments are laid
+  out as the parameters. ``min_compressed_size`` applies to whole leaves.
+  Whether a step is finite, and the ``"auto"`` freeze, are decided from
+  values reduced over every shard (a scalar all-reduce over the model axes),
+  so every device of every shard takes the same branch.
+
   Args:
     axis_name: the mapped axis to average over, or ``(outer, inner, ...)``:
       the inner axes (fast links) are averaged in float32 first, and only the
@@ -187,10 +205,10 @@ def scale_by_onebit_adam(
   auto = common.auto_freeze(owner, freeze_step, auto_freeze_window, auto_freeze_tolerance)
 
   def init_fn(params):
+    axis_checks.check_mesh_axes(params, axes, owner)
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
-    sizes = common.mapped_sizes(axes, axis_size, owner)
-    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    worker_error, server_error = common.initial_errors(layout, axes)
+    _, worker_error, server_error = shard_exchange.initial_errors(params, leaves, axes,
+                                                                  axis_size, owner)
     return ScaleByOneBitAdamState(
         count=jnp.zeros((), jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -213,12 +231,14 @@ def scale_by_onebit_adam(
           f"{owner}: the state is a {type(state).__name__}, not a ScaleByOneBitAdamState: "
           "pass the state this optimizer's init returned.")
     common.check_tree(owner, updates, params, state.mu)
+    axis_checks.check_mesh_axes(updates, axes, owner)
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
     axes_lib.check_varying(updates, axes, owner)
-    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
+    exchange_plan = shard_exchange.make_plan([grads[i] for i in leaves.compressed], sizes,
+                                             owner)
+    shard_exchange.check_error_shapes(owner, state.worker_error, exchange_plan)
     mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
     count = optax.safe_increment(state.count)
     frozen = state.count >= state.freeze_count
@@ -238,8 +258,8 @@ def scale_by_onebit_adam(
     def compressed(_):
       local_mu = [optax.tree.update_moment(grads[i].astype(jnp.float32), mu[i], b1, 1)
                   for i in leaves.compressed]
-      out = common.exchange(local_mu, state.worker_error, state.server_error, leaves, axes,
-                            sizes)
+      out = shard_exchange.exchange(exchange_plan, local_mu, state.worker_error,
+                                    state.server_error, axes, sizes)
       new_mu = list(mu)
       for i, vector in zip(leaves.compressed, out.vectors, strict=True):
         new_mu[i] = common.unseen_masked(vector, nu[i])
@@ -269,7 +289,7 @@ def scale_by_onebit_adam(
           bias_correction=bias_correction)
 
     num_float = leaves.elements("compressed") + leaves.elements("float32")
-    step_stats = _stats(frozen, leaves, layout, num_float, sizes)
+    step_stats = _stats(frozen, leaves, exchange_plan, num_float, sizes)
     # A non-finite step leaves the state as it was (the moments and errors already
     # chosen above), on every device together.
     new_state = ScaleByOneBitAdamState(
@@ -285,99 +305,6 @@ def scale_by_onebit_adam(
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def onebit_adam(
-    learning_rate: optax.ScalarOrSchedule,
-    axis_name: axes_lib.AxisName,
-    *,
-    freeze_step: common.FreezeStep,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    bias_correction: bool = True,
-    mask=None,
-    mu_dtype=None,
-    min_compressed_size: int = common.DEFAULT_MIN_COMPRESSED_SIZE,
-    compression_mask=None,
-    axis_size: int | dict[str, int] | None = None,
-    auto_freeze_window: int = 20,
-    auto_freeze_tolerance: float = 0.025,
-) -> optax.GradientTransformationExtraArgs:
-  r"""1-bit Adam: AdamW whose gradient average is 1-bit after a float32 warm-up.
-
-  The optimizer of DeepSpeed's ``OnebitAdam``
-  (``deepspeed/runtime/fp16/onebit/adam.py``), as an ``optax.adamw``-style
-  alias: :func:`scale_by_onebit_adam`, then
-  ``optax.add_decayed_weights(weight_decay, mask)`` (weight decay added to
-  the Adam ratio in both stages, as DeepSpeed adds it), then the learning
-  rate, the last two wrapped in ``optax.apply_if_finite`` so that a
-  non-finite gradient on any device skips the step on every device together.
-
-  Its ``update`` takes each device's **local** gradients, inside
-  ``jax.pmap`` or ``jax.shard_map`` over ``axis_name`` (or through
-  :func:`~qsgd_jax.data_parallel`), and does the whole job, communication
-  included: do not average the gradients before it. During the warm-up it
-  sends what a float32 all-reduce does; after the freeze, about 32x less.
-
-  Unlike DeepSpeed's, its error buffers are part of the optax state: a
-  checkpoint keeps them, and a resumed run continues bit for bit (DeepSpeed
-  resets them when it loads a checkpoint).
-
-  Args:
-    learning_rate: a float or an optax schedule.
-    axis_name: the mapped axis to average over (or ``(outer, inner, ...)``,
-      see :func:`scale_by_onebit_adam`).
-    freeze_step: float32 warm-up updates before the variance is frozen, or
-      ``"auto"`` to freeze it once it has stopped moving.
-    b1, b2, eps, bias_correction, mu_dtype: see :func:`scale_by_onebit_adam`.
-    min_compressed_size, compression_mask, axis_size: see
-      :func:`scale_by_onebit_adam`.
-    auto_freeze_window, auto_freeze_tolerance: see :func:`scale_by_onebit_adam`.
-    weight_decay: decoupled weight decay, as in ``optax.adamw``.
-    mask: which leaves are decayed, as in ``optax.adamw``.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, qsgd_jax
-    >>> n = jax.local_device_count()
-    >>> tx = qsgd_jax.onebit_adam(1e-3, "batch", freeze_step=2, min_compressed_size=0)
-    >>> params = jnp.zeros((n, 64))
-    >>> state = jax.pmap(tx.init, axis_name="batch")(params)
-    >>> step = jax.pmap(tx.update, axis_name="batch")
-    >>> for _ in range(3):  # Two float32 warm-up steps, then 1-bit ones.
-    ...   updates, state = jax.block_until_ready(step(jnp.ones((n, 64)), state, params))
-    >>> bool(jnp.allclose(updates, -1e-3))
-    True
-
-  References:
-    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training
-    with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML
-    2021; Loshchilov and Hutter, Decoupled Weight Decay Regularization, ICLR
-    2019.
-  """
-  return optax.chain(
-      scale_by_onebit_adam(
-          axis_name, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
-          bias_correction=bias_correction, mu_dtype=mu_dtype,
-          min_compressed_size=min_compressed_size, compression_mask=compression_mask,
-          axis_size=axis_size, auto_freeze_window=auto_freeze_window,
-          auto_freeze_tolerance=auto_freeze_tolerance),
-      # Leaves that are not float have zero updates, which stay zero and of their dtype.
-      optax.masked(
-          optax.apply_if_finite(
-              optax.chain(optax.add_decayed_weights(weight_decay, mask),
-                          optax.scale_by_learning_rate(learning_rate)),
-              max_consecutive_errors=_ALWAYS_SKIP),
-          _float_leaves),
-  )
-
-
-def _float_leaves(tree):
-  return jax.tree.map(lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating), tree)
 
 
 def _directions(grads, mu, nu, leaves: common.Leaves, count, freeze_count, finite, *, b1, b2,
@@ -401,9 +328,10 @@ def _directions(grads, mu, nu, leaves: common.Leaves, count, freeze_count, finit
   return out
 
 
-def _stats(frozen: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
+def _stats(frozen: jax.Array, leaves: common.Leaves, exchange_plan: shard_exchange.ExchangePlan,
            num_float: int, sizes: tuple[int, ...]) -> stats.CompressionStats:
-  """What this step sent: a float32 all-reduce while warming up, the 1-bit exchange after."""
+  """What one device sent this step (of its own shards, on a mesh whose model is sharded): a
+  float32 all-reduce while warming up, the 1-bit exchange after."""
   n = sizes[0] if sizes else 1
   m = math.prod(sizes[1:])
   if not sizes:
@@ -412,9 +340,9 @@ def _stats(frozen: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignL
   outer_float32_bits = wire.float32_allreduce_bits(num_float / m, n)
   small = leaves.elements("float32")
   inner_bits = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
-  compressed_bits = (layout.wire_bits() + inner_bits
+  compressed_bits = (exchange_plan.wire_bits() + inner_bits
                      + wire.float32_allreduce_bits(small, n * m))
-  outer_compressed_bits = layout.wire_bits() + wire.float32_allreduce_bits(small / m, n)
+  outer_compressed_bits = exchange_plan.wire_bits() + wire.float32_allreduce_bits(small / m, n)
   return stats.make(jnp.where(frozen, compressed_bits, float32_bits), float32_bits, jnp.nan,
                     jnp.where(frozen, outer_compressed_bits, outer_float32_bits),
                     outer_float32_bits)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import optax
 
 from qsgd_jax._src import axes as axes_lib
-from qsgd_jax._src import stats, wire
-from qsgd_jax._src.adam import common, sign_exchange, zero_one_step
+from qsgd_jax._src import axis_checks, stats, wire
+from qsgd_jax._src.adam import common, shard_exchange, zero_one_step
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -17,16 +17,20 @@ class ZeroOneAdamState(NamedTuple):
 
   Attributes:
     count: ``int32[]``, updates taken (a skipped non-finite step does not count).
-    mu: the first moment, like the parameters (``mu_dtype``): per device
-      when local steps are possible (``local_step_clipper > 1``), else the
-      same on every device.
+    mu: the first moment, like the parameters (``mu_dtype``) and laid out as
+      they are: per device when local steps are possible
+      (``local_step_clipper > 1``), else the same on every device.
     nu: the second moment, like the parameters, the same on every device.
-    accumulator: per device, ``float32`` like each compressed leaf: the sum
-      of this device's updates since the last synchronization (DeepSpeed's
-      ``momentum_accumulator``); an empty tuple without local steps.
-    worker_error: ``float32[n, width]``, this device's worker error of the
-      1-bit exchange (``()`` when no leaf is compressed).
-    server_error: ``float32[width]``, this device's server error (likewise).
+    accumulator: per device, ``float32`` like each compressed leaf and laid
+      out as it is: the sum of this device's updates since the last
+      synchronization (DeepSpeed's ``momentum_accumulator``); an empty tuple
+      without local steps.
+    worker_error: one ``float32[n, width]`` a group of compressed leaves,
+      this device's worker error of the 1-bit exchange (``()`` when no leaf
+      is compressed; the groups as in
+      :class:`~qsgd_jax.ScaleByOneBitAdamState`).
+    server_error: one ``float32[width]`` a group, this device's server error
+      (likewise).
     variance_interval: ``int32[]``, the variance is updated at counts that
       are multiples of it (DeepSpeed's ``var_interval``).
     variance_counter: ``int32[]``, variance updates at this interval.
@@ -56,8 +60,8 @@ class ZeroOneAdamState(NamedTuple):
   mu: optax.Updates
   nu: optax.Updates
   accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
+  worker_error: tuple[jax.Array, ...]
+  server_error: tuple[jax.Array, ...]
   variance_interval: jax.Array
   variance_counter: jax.Array
   variance_updates: jax.Array
@@ -127,6 +131,14 @@ def zero_one_adam(
   :func:`~qsgd_jax.data_parallel` then takes it as it is. With DeepSpeed's
   defaults the first local step comes after ``local_step_scaler`` (32,678)
   frozen steps.
+
+  On a mesh whose model is sharded over other axes inside each data group,
+  each device exchanges its own shards, as :func:`scale_by_onebit_adam`
+  does there: the errors are one array a group of compressed leaves laid
+  out over the same mesh axes, the moments and accumulator are laid out as
+  the parameters, and the variance's refreshes (a step count) and its
+  ``"auto"`` freeze (read from the whole variance) are the same on every
+  device of every shard.
 
   With ``bias_correction=False`` the numbers are DeepSpeed's, which never
   bias-corrects; with ``True`` the moments are read as
@@ -214,19 +226,18 @@ def zero_one_adam(
       local_step_clipper=local_step_clipper)
 
   def init_fn(params):
+    axis_checks.check_mesh_axes(params, axes, owner)
     leaves = common.leaves_of(params, min_compressed_size, compression_mask)
-    sizes = common.mapped_sizes(axes, axis_size, owner)
-    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    worker_error, server_error = common.initial_errors(layout, axes)
-    flat = jax.tree.leaves(params)
+    compressed, worker_error, server_error = shard_exchange.initial_errors(
+        params, leaves, axes, axis_size, owner)
     one = jnp.ones((), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     return ZeroOneAdamState(
         count=zero,
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
         nu=common.variance_zeros(params),
-        accumulator=tuple(jnp.zeros(jnp.shape(flat[i]), jnp.float32)
-                          for i in leaves.compressed) if settings.local_steps else (),
+        accumulator=tuple(common.zeros_laid_out_as(x, jnp.float32)
+                          for x in compressed) if settings.local_steps else (),
         worker_error=worker_error,
         server_error=server_error,
         variance_interval=one, variance_counter=zero, variance_updates=zero,
@@ -250,16 +261,19 @@ def zero_one_adam(
     if params is None:
       raise ValueError(f"{owner}: update needs params (for the weight decay and local steps).")
     common.check_tree(owner, updates, params, state.mu)
+    axis_checks.check_mesh_axes(updates, axes, owner)
     leaves = common.leaves_of(updates, min_compressed_size, compression_mask)
     sizes = axes.sizes(owner)
     axes_lib.check_varying(updates, axes, owner)
     if settings.local_steps:
       _check_params_per_device(params, axes, local_step_clipper)
-    layout = leaves.layout(sizes[0] if sizes else 1, math.prod(sizes[1:]))
-    common.check_error_shapes(owner, state.worker_error, layout)
     grads, treedef = jax.tree.flatten(updates)
+    exchange_plan = shard_exchange.make_plan([grads[i] for i in leaves.compressed], sizes,
+                                             owner)
+    shard_exchange.check_error_shapes(owner, state.worker_error, exchange_plan)
     step = zero_one_step.Step(settings, state, grads, jax.tree.leaves(params),
-                              _decayed(mask, params, len(grads)), leaves, sizes).run()
+                              _decayed(mask, params, len(grads)), leaves, exchange_plan,
+                              sizes).run()
     # A non-finite step leaves the state as it was (the moments, accumulator, errors and
     # counters already chosen inside the step's branch), on every device together.
     finite, compressed = step.finite, leaves.compressed
@@ -292,7 +306,7 @@ def zero_one_adam(
         learning_rate_sum=step.learning_rate_sum,
         freeze_count=freeze_count,
         variance_history=history,
-        stats=_stats(step.sent, leaves, layout, sizes),
+        stats=_stats(step.sent, leaves, exchange_plan, sizes),
     )
     out = [common.zero_update(g) if d is None
            else jnp.where(finite, d, jnp.zeros((), jnp.float32)).astype(jnp.result_type(g))
@@ -332,7 +346,7 @@ def _check_params_per_device(params, axes: axes_lib.Axes, local_step_clipper: in
         "state laid out by qsgd_jax.state_partition_specs.")
 
 
-def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLayout,
+def _stats(sent: jax.Array, leaves: common.Leaves, exchange_plan: shard_exchange.ExchangePlan,
            sizes: tuple[int, ...]) -> stats.CompressionStats:
   """What the step sent: the float32 leaves (with the finiteness flag) every step, and all the
   others in float32 (a variance update, a synchronization with a zero learning rate) or by
@@ -344,7 +358,7 @@ def _stats(sent: jax.Array, leaves: common.Leaves, layout: sign_exchange.SignLay
   float32_bits = wire.float32_allreduce_bits(num_float, n * m)
   small = wire.float32_allreduce_bits(leaves.elements("float32") + 1, n * m)
   inner = wire.float32_allreduce_bits(leaves.elements("compressed"), m)
-  onebit = layout.wire_bits() + inner + small
+  onebit = exchange_plan.wire_bits() + inner + small
   bits = jnp.select([sent == zero_one_step.SENT_FLOAT32, sent == zero_one_step.SENT_ONEBIT],
                     [float32_bits, onebit], small)
   return stats.make(bits, float32_bits, jnp.nan)

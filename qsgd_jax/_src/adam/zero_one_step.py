@@ -22,7 +22,7 @@ import optax
 
 from qsgd_jax._src import axes as axes_lib
 from qsgd_jax._src import base
-from qsgd_jax._src.adam import common
+from qsgd_jax._src.adam import common, shard_exchange
 
 # What a step sends besides the float32 leaves: every float leaf in float32, the compressed
 # ones by the 1-bit exchange, or nothing more.
@@ -61,8 +61,8 @@ class Moments(NamedTuple):
 
   mu: list[jax.Array]  # In the state's dtypes.
   nu: list[jax.Array]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
+  worker_error: tuple[jax.Array, ...]  # One a group of compressed leaves.
+  server_error: tuple[jax.Array, ...]
   finite: jax.Array  # bool[]: the same on every device.
   variance_updates: jax.Array  # int32[]
 
@@ -85,8 +85,8 @@ class Synchronized(NamedTuple):
   deltas: list
   mu: list[jax.Array]
   accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
+  worker_error: tuple[jax.Array, ...]  # One a group of compressed leaves.
+  server_error: tuple[jax.Array, ...]
   finite: jax.Array
   learning_rate_sum: jax.Array
   sent: jax.Array  # int32[], one of SENT_*.
@@ -99,8 +99,8 @@ class Outcome(NamedTuple):
   mu: list[jax.Array]
   nu: list[jax.Array]
   accumulator: tuple[jax.Array, ...]
-  worker_error: jax.Array | tuple[()]
-  server_error: jax.Array | tuple[()]
+  worker_error: tuple[jax.Array, ...]  # One a group of compressed leaves.
+  server_error: tuple[jax.Array, ...]
   finite: jax.Array
   variance_interval: jax.Array
   variance_counter: jax.Array
@@ -122,13 +122,16 @@ class Step:
     params: the parameters, flattened.
     decayed: whether weight decay applies to each leaf.
     leaves: how each leaf travels.
+    exchange_plan: the compressed leaves' groups for the 1-bit exchange.
     sizes: the mapped axes' sizes, outer first.
   """
 
   def __init__(self, settings: Settings, state, grads: list[jax.Array], params: list[jax.Array],
-               decayed: list[bool], leaves: common.Leaves, sizes: tuple[int, ...]):
+               decayed: list[bool], leaves: common.Leaves,
+               exchange_plan: shard_exchange.ExchangePlan, sizes: tuple[int, ...]):
     self.settings, self.state, self.grads, self.params = settings, state, grads, params
     self.decayed, self.leaves, self.sizes = decayed, leaves, sizes
+    self.exchange_plan = exchange_plan
     self.mu, self.nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
     self.count = optax.safe_increment(state.count)
     self.learning_rate = jnp.asarray(settings.schedule(state.count), jnp.float32)
@@ -221,8 +224,8 @@ class Step:
   def onebit_step(self) -> Moments:
     """The compressed leaves' momentum from the 1-bit average of the gradients."""
     s, state, compressed = self.settings, self.state, self.leaves.compressed
-    out = common.exchange([self.grads[i] for i in compressed], state.worker_error,
-                          state.server_error, self.leaves, s.axes, self.sizes)
+    out = shard_exchange.exchange(self.exchange_plan, [self.grads[i] for i in compressed],
+                                  state.worker_error, state.server_error, s.axes, self.sizes)
     mu = list(self.mu)
     for i, vector in zip(compressed, out.vectors, strict=True):
       mu[i] = common.unseen_masked(optax.tree.update_moment(vector, self.mu[i], s.b1, 1),
@@ -296,8 +299,8 @@ class Step:
     state, compressed = self.state, self.leaves.compressed
     scaled = [a * local.denominators[i]
               for a, i in zip(local.accumulator, compressed, strict=True)]
-    out = common.exchange(scaled, state.worker_error, state.server_error, self.leaves,
-                          self.settings.axes, self.sizes)
+    out = shard_exchange.exchange(self.exchange_plan, scaled, state.worker_error,
+                                  state.server_error, self.settings.axes, self.sizes)
     average = [-(u / local.learning_rate_sum) * self.momentum_correction for u in out.vectors]
     moved = [common.unseen_masked(u / local.denominators[i], self.nu[i])
              for u, i in zip(out.vectors, compressed, strict=True)]
@@ -312,7 +315,7 @@ class Step:
     parameters stay, and the exchange's errors are untouched."""
     compressed = self.leaves.compressed
     average = common.pmean_float32([local.mu[i] for i in compressed], self.settings.axes)
-    moved = [jnp.zeros(a.shape, a.dtype) for a in local.accumulator]
+    moved = [common.zeros_laid_out_as(a, a.dtype) for a in local.accumulator]
     return Synchronized(*self.synchronized(local, average, moved), self.state.worker_error,
                         self.state.server_error, base.all_finite(average), jnp.float32(0),
                         SENT_FLOAT32)

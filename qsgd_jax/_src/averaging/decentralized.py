@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, serialize, stats, wire
-from qsgd_jax._src.collectives import layout, plan
+from qsgd_jax._src import axes, axis_checks, base, stats, wire
+from qsgd_jax._src.averaging import ring_exchange
 from qsgd_jax._src.compressors.zero_aligned_minmax import NearestZeroAlignedMinMax
 
 _OWNER = "low_precision_decentralized"
@@ -115,6 +115,20 @@ def low_precision_decentralized(
   to the device of the same local index in each neighbouring node, and one
   ``all_gather`` over ``local`` puts the received buffers back together. The
   bytes between nodes are Bagua's, spread over the node's devices.
+
+  On a mesh whose model is sharded over other axes (``fsdp``, ``tensor``)
+  inside each worker, a worker is a group of devices along ``axis_name``
+  holding one model laid out over those axes. Run ``update`` under a
+  ``jax.shard_map`` manual over ``axis_name`` alone with the other axes
+  explicit (``jax.sharding.explicit_axes``, the leaves' specs as
+  ``in_sharding``), each worker's parameters its own copy laid out as the
+  model is. The leaves laid out over the same mesh axes form a group, run
+  in a ``jax.shard_map`` manual over those axes too: its buckets hold a
+  device's own shards, and each device sends them, in one ``ppermute`` a
+  direction a group, to the device holding the same shards in each
+  neighbouring worker, so nothing crosses the model axes. Each shard draws
+  its own rounding. The replicas (and an inner optimizer's moments) are
+  laid out as the parameters.
 
   Tang et al. (DCD-PSGD) prove the :math:`O(1/\sqrt{nT})` rate of centralized
   SGD for an unbiased :math:`Q` (:math:`E[Q(z)] = z`) whose error is small
@@ -249,6 +263,7 @@ def low_precision_decentralized(
         "Wrap the inner optimizer instead, low_precision_decentralized(optax.apply_if_finite("
         "optax.sgd(...), max_consecutive_errors), ...): each worker then skips its own "
         "non-finite step and still exchanges with its peers.")
+    axis_checks.check_mesh_axes(params, parsed, f"qsgd_jax.{_OWNER}")
     size, *local_sizes = parsed.sizes(_OWNER)
     # Each worker applies its own gradient: one summed over the axis by autodiff is n times it.
     axes.check_varying(updates, parsed, _OWNER)
@@ -274,147 +289,25 @@ def low_precision_decentralized(
         for x, u, left, right in zip(
             leaves, treedef.flatten_up_to(local_steps), lefts, rights, strict=True)
     ]
-    buckets = _buckets([x.size * x.dtype.itemsize for x in leaves], bucket_bytes)
-    arrays = _arrays([x.shape for x in leaves], buckets, compressor)
-    payloads = [
-        compressor.encode(jax.random.fold_in(worker_key, b), _joined(array, differences))
-        for b, array in enumerate(arrays)
-    ]
-    templates = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
-                 for p in payloads]
-    # All buckets travel as one uint32 buffer: one ppermute a direction.
-    words = jnp.concatenate([serialize.to_words(p) for p in payloads])
-    from_left, from_right, ring_bits, node_bits = _exchange(
-        words, ring_axis, size, local_axes, local_size)
+    ring = ring_exchange.Ring(compressor, bucket_bytes, ring_axis, size, local_axes, local_size)
+    moved = ring_exchange.exchange(differences, lefts, rights, worker_key, ring)
+    new_updates = [u.astype(x.dtype) for u, x in zip(moved.updates, leaves, strict=True)]
+    ring_bits, node_bits = moved.ring_bits, moved.node_bits
     if local_axes:
-      node_bits += wire.float32_allreduce_bits(sum(x.size for x in leaves), local_size)
-
-    def as_leaves(decoded_arrays):
-      out = [None] * len(leaves)
-      for array, decoded in zip(arrays, decoded_arrays, strict=True):
-        flat = decoded.reshape(-1)
-        for k, start in zip(array.leaves, array.offsets, strict=True):
-          out[k] = flat[start : start + leaves[k].size].reshape(leaves[k].shape)
-      return out
-
-    def received(buffer):
-      decoded, start = [], 0
-      for template in templates:
-        width = serialize.num_words(template)
-        decoded.append(compressor.decode(
-            serialize.from_words(buffer[start : start + width], template)))
-        start += width
-      return as_leaves(decoded)
-
-    own = as_leaves([compressor.decode(p) for p in payloads])
-    new_updates, new_lefts, new_rights = [], [], []
-    for x, step, left_step, right_step, left, right in zip(
-        leaves, own, received(from_left), received(from_right), lefts, rights, strict=True
-    ):
-      new_updates.append(step.astype(x.dtype))
-      new_lefts.append(left + left_step.astype(x.dtype))
-      new_rights.append(right + right_step.astype(x.dtype))
+      node_bits += wire.float32_allreduce_bits(moved.elements, local_size)
 
     new_state = LowPrecisionDecentralizedState(
         inner_state=inner_state,
-        left_replica=treedef.unflatten(new_lefts),
-        right_replica=treedef.unflatten(new_rights),
+        left_replica=treedef.unflatten(moved.lefts),
+        right_replica=treedef.unflatten(moved.rights),
         key=key,
         stats=stats.make(
-            ring_bits + node_bits,
-            wire.float32_allreduce_bits(sum(x.size for x in leaves), size * local_size), jnp.nan,
-            ring_bits, wire.float32_allreduce_bits(sum(x.size for x in leaves) / local_size,
-                                                   size)),
+            ring_bits + node_bits, wire.float32_allreduce_bits(moved.elements, size * local_size),
+            jnp.nan, ring_bits, wire.float32_allreduce_bits(moved.elements / local_size, size)),
     )
     return treedef.unflatten(new_updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _buckets(leaf_bytes: list[int], bucket_bytes: int | None) -> list[list[int]]:
-  """Bagua's bucketing: whole leaves, in order, until a bucket holds ``bucket_bytes`` or more."""
-  if bucket_bytes is None:
-    return [list(range(len(leaf_bytes)))]
-  buckets, current, filled = [], [], 0
-  for k, size in enumerate(leaf_bytes):
-    current.append(k)
-    filled += size
-    if filled >= bucket_bytes:
-      buckets.append(current)
-      current, filled = [], 0
-  return [*buckets, current] if current else buckets
-
-
-def _exchange(words, ring_axis, size: int, local_axes: tuple, local_size: int):
-  """Sends ``words`` to both ring neighbours.
-
-  Worker ``i`` sends to ``i + 1`` along ``to_right``, so what arrives came
-  from its left peer; with two workers the one message serves as both. In
-  hierarchical mode each device of a node sends its piece of the buffer and
-  an ``all_gather`` over the local axes joins the pieces received.
-
-  Returns:
-    What came from the left and from the right, and the bits a device sent
-    to other nodes and inside its node.
-  """
-  to_right = [(i, (i + 1) % size) for i in range(size)]
-  to_left = [(i, (i - 1) % size) for i in range(size)]
-  messages = 1 if size == 2 else 2
-  if not local_axes:
-    from_left = jax.lax.ppermute(words, ring_axis, to_right)
-    from_right = from_left if size == 2 else jax.lax.ppermute(words, ring_axis, to_left)
-    return from_left, from_right, messages * 32 * words.size, 0.0
-  piece = math.ceil(words.size / local_size)
-  padded = jnp.pad(words, (0, piece * local_size - words.size))
-  mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(local_axes) * piece, piece)
-
-  def receive(permutation):
-    pieces = jax.lax.ppermute(mine, ring_axis, permutation)
-    return jax.lax.all_gather(pieces, local_axes, tiled=True)[: words.size]
-
-  from_left = receive(to_right)
-  from_right = from_left if size == 2 else receive(to_left)
-  # Each message: the piece to the neighbouring node, then inside the node the
-  # all-gather's (k - 1) / k of the k pieces.
-  return from_left, from_right, messages * 32 * piece, messages * 32 * piece * (local_size - 1)
-
-
-class _Array(NamedTuple):
-  """Leaves of one bucket encoded together: end to end, each padded to whole runs.
-
-  Attributes:
-    leaves: the leaves' indices.
-    offsets: each leaf's first element.
-    run: the compressor's bucket length for these leaves
-      (:meth:`~qsgd_jax.Compressor.bucket_length`), or ``None`` where one scale
-      spans the array, as Bagua's one minimum and maximum span its bucket.
-    length: elements, padding included.
-  """
-
-  leaves: tuple[int, ...]
-  offsets: tuple[int, ...]
-  run: int | None
-  length: int
-
-
-def _arrays(shapes, buckets: list[list[int]], compressor: base.Compressor) -> list[_Array]:
-  """The arrays each bucket is encoded as: its leaves by run length, no run across two."""
-  arrays = []
-  for bucket in buckets:
-    by_run = {}
-    for k in bucket:
-      by_run.setdefault(compressor.bucket_length(shapes[k]), []).append(k)
-    for run, members in by_run.items():
-      offsets, end = plan.padded_offsets([math.prod(shapes[k]) for k in members], run or 1)
-      arrays.append(_Array(tuple(members), offsets, run, end))
-  return arrays
-
-
-def _joined(array: _Array, leaves: list[jax.Array]) -> jax.Array:
-  """The array's leaves in float32, end to end, as ``[runs, run]`` (or a vector)."""
-  joined = layout.end_to_end([leaves[k].astype(jnp.float32).reshape(-1) for k in array.leaves],
-                             array.offsets, array.length)
-  return joined if array.run is None else joined.reshape(-1, array.run)
 
 
 def consensus_distance(params: optax.Params, axis_name: Any) -> jax.Array:

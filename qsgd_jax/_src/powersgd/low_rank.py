@@ -216,7 +216,14 @@ def make_plan(tree, rank: int, min_compression_rate: float,
   :func:`should_compress` says so for its matrix, as ``view`` sees it; 0-d
   and 1-d leaves (biases, norm scales) never are.
   """
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  return plan_leaves(jax.tree_util.tree_leaves_with_path(tree), rank, min_compression_rate,
+                     view)
+
+
+def plan_leaves(leaves, rank: int, min_compression_rate: float,
+                view: MatrixView = attention_matrix_view) -> LowRankPlan:
+  """:func:`make_plan` of ``(path, leaf)`` pairs, as ``jax.tree_util.tree_leaves_with_path``
+  gives them: the plan's indices are the pairs' positions."""
   paths = tuple(jax.tree_util.keystr(path) or "<root>" for path, _ in leaves)
   shapes = tuple(tuple(np.shape(leaf)) for _, leaf in leaves)
   by_key: dict[tuple, list[int]] = {}

@@ -1,21 +1,22 @@
 """PowerSGD (Vogels et al. 2019) as an optax transform, faithful to PyTorch's ``powerSGD_hook``."""
 
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from qsgd_jax._src import axes, base, stats, wire
-from qsgd_jax._src.powersgd import low_rank
+from qsgd_jax._src import axes, axis_checks, base, stats, wire
+from qsgd_jax._src.powersgd import checks, low_rank, shard_step
 
 _OWNER = "powersgd"
 
 
 class PowerSGDState(NamedTuple):
-  """State of :func:`powersgd`; one array a group of compressed leaves of one matrix shape.
+  """State of :func:`powersgd`; one array a group of compressed leaves of one matrix shape
+  (on a mesh whose model is sharded, of one matrix shape and one layout over the mesh, the
+  arrays of a group's devices end to end along the first dimension).
 
   Attributes:
     key: typed PRNG key ``key<impl>[]``, the same on every device, split
@@ -24,12 +25,14 @@ class PowerSGDState(NamedTuple):
     error: per device, one ``float32[count, n, m]`` a group: the gradient
       plus the previous error, less the step's output (empty tuple without
       error feedback; zeros until the first compressed step).
-    q_memory: one ``float32[count, m, r]`` a group, the same on every device:
+    q_memory: one ``float32[count, m, r]`` a group, the same on every device
+      of the averaged axes:
       the last compressed step's Q (all-reduced, over the number of
       devices), where the next step starts with warm start. Until the first
       compressed step, with warm start, the standard normal draw it starts
       from; without, zeros.
-    p_memory: one ``float32[count, n, r]`` a group, the same on every device:
+    p_memory: one ``float32[count, n, r]`` a group, the same on every device
+      of the averaged axes:
       the last compressed step's orthonormal P, so that ``p_memory @
       q_memory.T`` is what the step returned (zeros before).
     stats: the last step's :class:`~qsgd_jax.CompressionStats`.
@@ -135,7 +138,8 @@ def powersgd(
     so that ``optax.apply_if_finite`` after this transform skips the step
     on every device together. The test reads the all-reduced P factors and
     exact means, which hold a NaN or inf wherever any device's updates do:
-    no extra collective. PyTorch has no such test.
+    no extra collective (but one scalar all-reduce a group on a mesh whose
+    model is sharded, below). PyTorch has no such test.
 
   With ``axis_name=(outer, inner, ...)``, P and Q are summed over every axis
   at once: as P and Q are linear in the gradients, that gives the factors of
@@ -151,6 +155,27 @@ def powersgd(
   :func:`~qsgd_jax.as_varying` parameters, as for
   :func:`~qsgd_jax.compressed_allreduce`; :func:`~qsgd_jax.data_parallel`
   does both. Under ``jax.pmap`` the state gets pmap's leading axis.
+
+  On a mesh whose model is sharded over other axes (``fsdp``, ``tensor``)
+  inside each data group, run it as :func:`~qsgd_jax.compressed_allreduce`
+  runs there (through :func:`~qsgd_jax.data_parallel`, or under a
+  ``jax.shard_map`` manual over ``axis_name`` alone with the other axes
+  explicit). The leaves laid out over the same mesh axes form a group, run
+  on each device's own shards in a ``jax.shard_map`` manual over those axes
+  too, and **each device's block of a matrix is compressed as a matrix of
+  its own**: the block (the shard, seen through ``matrix_view``, which is
+  given the shard's shape) has its own ``P``, ``Q`` and error, and the
+  compression test is the block's. Factoring the whole matrix would sum
+  ``P = M Q`` over the blocks of a row, a collective over the model axes
+  every step; the blocks need none, and a device sends :math:`(n / a + m /
+  b) r` numbers for its :math:`n / a \times m / b` block. The blocks'
+  approximations have rank up to :math:`a b r` together. The memories of a
+  group hold the devices' of its axes end to end along their first
+  dimension: ``error`` along ``axis_name`` and the group's axes, ``Q`` and
+  ``P`` along the group's axes (the same on every data group). Each block
+  draws its own ``Q`` (the key folded with its index over the group's axes);
+  one scalar all-reduce a group, over its axes, tells every shard of a
+  non-finite value, so that every device skips together.
 
   PowerSGD is a biased compressor: keep ``use_error_feedback``. Vogels et al.
   train with SGD and momentum; with Adam, whose second moment is computed
@@ -180,7 +205,8 @@ def powersgd(
       :func:`~qsgd_jax.attention_matrix_view`. For a ``DenseGeneral`` of
       other names, say which of its axes are inputs; for the view of
       releases before this option, ``lambda path, shape:
-      (math.prod(shape[:-1]), shape[-1])``.
+      (math.prod(shape[:-1]), shape[-1])``. On a mesh whose model is
+      sharded, ``shape`` is a device's shard's.
     total_steps: the steps the run will take, if known: a ``start_iter``
       at or past it, under which PowerSGD would never compress, is refused.
 
@@ -191,8 +217,10 @@ def powersgd(
   Raises:
     ValueError: a bad option, naming it; ``start_iter >= total_steps``; at
       trace time, an update tree whose compressed leaves differ from those
-      the state was made for, or a ``matrix_view`` that does not give a
-      matrix view of a leaf (naming it).
+      the state was made for, a ``matrix_view`` that does not give a
+      matrix view of a leaf (naming it), an ``axis_name`` the mesh lacks, or
+      a leaf laid out over ``axis_name`` (naming it: FSDP's layout, see
+      :func:`~qsgd_jax.fsdp_gather`).
     NameError: at trace time, ``axis_name`` is not bound.
 
   Examples:
@@ -219,9 +247,9 @@ def powersgd(
       f"qsgd_jax.{_OWNER}", rank=rank, start_iter=start_iter,
       min_compression_rate=min_compression_rate,
       orthogonalization_epsilon=orthogonalization_epsilon)
-  _check_options(rank, start_iter, min_compression_rate, use_error_feedback, warm_start,
+  checks.check_options(rank, start_iter, min_compression_rate, use_error_feedback, warm_start,
                  orthogonalization_epsilon)
-  _check_run_length(start_iter, total_steps)
+  checks.check_run_length(start_iter, total_steps)
   if matrix_view is not None and not callable(matrix_view):
     raise ValueError(f"{_OWNER}: matrix_view must be a function (path, shape) -> (rows, "
                      f"columns) or None, got {matrix_view!r}.")
@@ -229,20 +257,19 @@ def powersgd(
   reduction_axes = axes.parse(axis_name, _OWNER)
   first_key = base.as_key(seed)
 
-  def make_plan(tree) -> low_rank.LowRankPlan:
-    return low_rank.make_plan(tree, rank, min_compression_rate, view)
+  def make_plans(tree) -> tuple[shard_step.ShardPlan, ...]:
+    return shard_step.make_shard_plans(tree, rank, min_compression_rate, view,
+                                       f"qsgd_jax.{_OWNER}")
 
   def init_fn(params):
-    plan = make_plan(params)
+    axis_checks.check_mesh_axes(params, reduction_axes, f"qsgd_jax.{_OWNER}")
+    plans = make_plans(params)
     key, draw_key = jax.random.split(first_key)
-    return PowerSGDState(
-        key=key,
-        count=jnp.zeros((), jnp.int32),
-        error=_zeros(g.matrix_shape for g in plan.groups) if use_error_feedback else (),
-        q_memory=draw_q(draw_key, plan) if warm_start else _zeros(g.q_shape for g in plan.groups),
-        p_memory=_zeros(g.p_shape for g in plan.groups),
-        stats=stats.empty(),
-    )
+    error, q_memory, p_memory = shard_step.initial_memories(
+        plans, jax.tree.leaves(params), draw_key, warm_start=warm_start,
+        use_error_feedback=use_error_feedback)
+    return PowerSGDState(key=key, count=jnp.zeros((), jnp.int32), error=error,
+                         q_memory=q_memory, p_memory=p_memory, stats=stats.empty())
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -250,8 +277,9 @@ def powersgd(
         "qsgd_jax.powersgd", axis_name, "Put it after this transform in the chain instead: a "
         "non-finite value on any device makes every device's output non-finite, so all skip "
         "together.")
-    plan = make_plan(updates)
-    _check_state(plan, state, use_error_feedback)
+    axis_checks.check_mesh_axes(updates, reduction_axes, f"qsgd_jax.{_OWNER}")
+    plans = make_plans(updates)
+    checks.check_state(plans, state, use_error_feedback)
     sizes = reduction_axes.sizes(_OWNER)
     axes.check_varying(updates, reduction_axes, _OWNER)
     world, inner = math.prod(sizes), math.prod(sizes[1:])
@@ -262,13 +290,15 @@ def powersgd(
     def pmean(values):
       return jax.lax.pmean(values, name) if values and sizes else values
 
-    def psum(values):
-      return jax.lax.psum(values, name) if values and sizes else values
-
-    float32_bits = wire.float32_allreduce_bits(plan.num_elements, world)
-    outer_float32_bits = wire.float32_allreduce_bits(plan.num_elements / inner, world // inner)
-    sent_bits = sum(wire.float32_allreduce_bits(elements, world) for elements in (
-        plan.exact_elements, plan.p_elements, plan.q_elements))
+    # What one device sends of its own shards.
+    num_elements = sum(shard_plan.plan.num_elements for shard_plan in plans)
+    float32_bits = wire.float32_allreduce_bits(num_elements, world)
+    outer_float32_bits = wire.float32_allreduce_bits(num_elements / inner, world // inner)
+    sent_bits = sum(wire.float32_allreduce_bits(
+        sum(getattr(shard_plan.plan, elements) for shard_plan in plans), world)
+        for elements in ("exact_elements", "p_elements", "q_elements"))
+    options = shard_step.StepOptions(name, world, warm_start, use_error_feedback,
+                                     orthogonalization_epsilon)
 
     def exact_step(_):
       averaged = list(leaves)
@@ -280,29 +310,8 @@ def powersgd(
                          outer_float32_bits))
 
     def compressed_step(_):
-      q = draw_q(step_key, plan) if not warm_start else state.q_memory
-      q = [low_rank.orthogonalize(x, orthogonalization_epsilon) for x in q]
-      matrices = [jnp.stack([leaves[i].astype(jnp.float32).reshape(g.rows, g.columns)
-                             for i in g.leaves]) for g in plan.groups]
-      if use_error_feedback:
-        matrices = [m + e for m, e in zip(matrices, state.error, strict=True)]
-      exact = pmean(tuple(leaves[i] for i in plan.exact))
-      p = psum(tuple(jnp.einsum("bnm,bmr->bnr", m, x) for m, x in zip(matrices, q, strict=True)))
-      finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in (*p, *exact)
-                                  if jnp.issubdtype(x.dtype, jnp.floating)] + [True]))
-      p = [low_rank.orthogonalize(x, orthogonalization_epsilon) for x in p]
-      q = [x / world for x in psum(tuple(
-          jnp.einsum("bnm,bnr->bmr", m, x) for m, x in zip(matrices, p, strict=True)))]
-      averaged = list(leaves)
-      for i, mean in zip(plan.exact, exact, strict=True):
-        averaged[i] = mean
-      error = []
-      for g, m, left, right in zip(plan.groups, matrices, p, q, strict=True):
-        out = jnp.einsum("bnr,bmr->bnm", left, right).astype(g.dtype)
-        for k, i in enumerate(g.leaves):
-          averaged[i] = out[k].reshape(plan.shapes[i])
-        if use_error_feedback:
-          error.append(m - out.astype(jnp.float32))
+      averaged, (error, q, p), finite = shard_step.compressed(
+          plans, leaves, (state.error, state.q_memory), step_key, options)
       averaged = [jnp.where(finite, x, jnp.nan).astype(x.dtype)
                   if jnp.issubdtype(x.dtype, jnp.floating) else x for x in averaged]
 
@@ -325,85 +334,3 @@ def powersgd(
     return jax.tree.unflatten(treedef, averaged), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def draw_q(key: jax.Array, plan: low_rank.LowRankPlan) -> tuple[jax.Array, ...]:
-  """Standard normal ``float32[count, m, r]`` a group of ``plan``: the Q a step starts from."""
-  if not plan.groups:
-    return ()
-  keys = jax.random.split(key, len(plan.groups))
-  return tuple(jax.random.normal(k, g.q_shape, jnp.float32)
-               for k, g in zip(keys, plan.groups, strict=True))
-
-
-def _zeros(shapes) -> tuple[jax.Array, ...]:
-  return tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
-
-
-def _check_options(rank, start_iter, min_compression_rate, use_error_feedback, warm_start,
-                   orthogonalization_epsilon) -> None:
-  def is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-  def is_real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-  if not is_int(rank) or rank < 1:
-    raise ValueError(f"{_OWNER}: rank must be a positive int, got {rank!r}.")
-  if not is_int(start_iter) or start_iter < 0:
-    raise ValueError(f"{_OWNER}: start_iter must be a non-negative int, got {start_iter!r}.")
-  for name, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start)):
-    if not isinstance(value, bool):
-      raise ValueError(f"{_OWNER}: {name} must be a bool, got {value!r}.")
-  if (use_error_feedback or warm_start) and start_iter <= 1:
-    raise ValueError(
-        f"{_OWNER}: start_iter must be at least 2 with use_error_feedback or warm_start, got "
-        f"{start_iter}, as PyTorch's PowerSGDState requires: there DDP rebuilds its gradient "
-        "buckets after the first step, which would invalidate an error or Q memorized before. "
-        "Pass start_iter >= 2, or use_error_feedback=False and warm_start=False.")
-  if not is_real(min_compression_rate) or not min_compression_rate > 0:
-    raise ValueError(f"{_OWNER}: min_compression_rate must be a positive number, got "
-                     f"{min_compression_rate!r}.")
-  if not is_real(orthogonalization_epsilon) or not orthogonalization_epsilon >= 0:
-    raise ValueError(f"{_OWNER}: orthogonalization_epsilon must be a non-negative number, got "
-                     f"{orthogonalization_epsilon!r}.")
-
-
-def _check_run_length(start_iter: int, total_steps) -> None:
-  if total_steps is None:
-    return
-  if not isinstance(total_steps, numbers.Integral) or isinstance(total_steps, bool) or (
-      total_steps < 1):
-    raise ValueError(f"{_OWNER}: total_steps must be a positive int or None, got "
-                     f"{total_steps!r}.")
-  if start_iter >= total_steps:
-    raise ValueError(
-        f"{_OWNER}: start_iter={start_iter} is not less than total_steps={total_steps}: every "
-        "step of this run would be a float32 average and none compressed (start_iter defaults "
-        "to PyTorch's 1000). Pass a smaller start_iter, e.g. a tenth of the run.")
-
-
-def _check_state(plan: low_rank.LowRankPlan, state: PowerSGDState,
-                 use_error_feedback: bool) -> None:
-  """Raises, naming a leaf, where the state was made for other compressed leaves than these."""
-  held = [tuple(q.shape) for q in state.q_memory]
-  expected = [g.q_shape for g in plan.groups]
-  if use_error_feedback:
-    held = list(zip(held, (tuple(e.shape) for e in state.error), strict=False))
-    expected = [(g.q_shape, g.matrix_shape) for g in plan.groups]
-  if held == expected:
-    return
-  # The first group that differs; past the shorter list, where a leaf was added or dropped.
-  differs = next((k for k, (h, e) in enumerate(zip(held, expected, strict=False)) if h != e),
-                 min(len(held), len(expected)))
-  named = ("none" if differs >= len(plan.groups) else ", ".join(
-      f"{plan.paths[i]} {plan.shapes[i]}" for i in plan.groups[differs].leaves))
-  raise ValueError(
-      f"{_OWNER}: the updates' compressed leaves do not match the state, made by init for "
-      f"other parameters: its memories hold {held}, these updates need {expected} "
-      f"((count, m, rank) of Q{', (count, n, m) of the error' if use_error_feedback else ''}"
-      f" a group of one matrix shape). The leaves of group {differs} here: {named}. A leaf's "
-      "shape (or dtype) changed since init: call init on the new parameters. Or the state "
-      "was made with another matrix_view: a state saved before matrix_view existed saw every "
-      "leaf as (prod(shape[:-1]), shape[-1]); pass matrix_view=lambda path, shape: "
-      "(math.prod(shape[:-1]), shape[-1]) to resume it.")

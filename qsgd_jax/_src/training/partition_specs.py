@@ -48,8 +48,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
     ``axis_name`` (with the parameters' layout); the key, the stats and the
     scalars (step counts) are replicated.
   * In a :class:`~qsgd_jax.ScaleByOneBitAdamState` (:func:`~qsgd_jax.onebit_adam`)
-    the 1-bit exchange's worker and server errors lie along ``axis_name``;
-    the moments and the rest are replicated.
+    the 1-bit exchange's worker and server errors (one array a group of
+    compressed leaves) lie along ``axis_name``; the moments and the rest are
+    replicated.
   * In a :class:`~qsgd_jax.ZeroOneAdamState` the errors lie along
     ``axis_name``; with local steps (a non-empty ``accumulator``), the
     accumulator and the first moment lie along the outer axis (the first of
@@ -96,6 +97,18 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
     per device; :func:`~qsgd_jax.data_parallel` finds out by tracing the
     update, and lays out along the axes it varies over each leaf of a state
     this function does not know that the update makes per device.
+
+  On a mesh whose model is sharded over other axes (``fsdp``, ``tensor``)
+  and averaged over ``axis_name``, these are the specs over ``axis_name``, as
+  a ``jax.shard_map`` manual over it alone takes them. Over the other axes
+  each array is laid out as the optimizer's ``init`` makes it there, read
+  from its explicit sharding type: the states' parameter-shaped arrays (the
+  moments, decentralized SGD's replicas) as the parameters, their
+  per-device arrays (residuals, the 1-bit exchange's errors, PowerSGD's
+  errors) and PowerSGD's ``Q`` and ``P`` along the axes of the shards they
+  belong to, after ``axis_name`` along the first dimension.
+  :func:`~qsgd_jax.data_parallel`'s ``abstract_state`` gives the whole
+  layout, a ``NamedSharding`` an array.
 
   The states are recognized as Flax NNX holds them too: in an
   ``nnx.Optimizer`` (its ``opt_state``, or the optimizer itself), whose

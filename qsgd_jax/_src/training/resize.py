@@ -219,13 +219,26 @@ def resize_state(state, target, *, from_devices: int, to_devices: int, stacked: 
   saved leaf must already have the target's shape. A state type of your own
   declares its per-device fields with :func:`qsgd_jax.resize.register`.
 
+  On a mesh whose model is sharded over other axes (``('data', 'fsdp',
+  'tensor')``, :func:`~qsgd_jax.data_parallel` over ``data``), a device's
+  per-device arrays are those of its shards, laid out along the data axis
+  first and then the axes of the shards (as
+  :func:`~qsgd_jax.data_parallel`'s ``abstract_state`` gives them): pass the
+  numbers of *data groups* as ``from_devices`` and ``to_devices``. A data
+  group's row then holds every shard's values, and the rules above apply to
+  each shard's (a residual's mean is each shard's mean over the data
+  groups). The model axes must lay the model out as they did: what a state
+  holds of a shard depends on the shard's shape (the 1-bit exchange's and
+  PowerSGD's blocks), and another layout is an error naming the leaf.
+
   Args:
     state: the saved state (arrays, e.g. as orbax restored them with their
       saved shapes).
     target: the state to lay it out like: ``init``'s result on the new
       devices, or its ``jax.eval_shape`` (only shapes and dtypes are read).
-    from_devices: the devices ``state`` was laid out for.
-    to_devices: the devices ``target`` is laid out for.
+    from_devices: the devices ``state`` was laid out for (the data groups, on
+      a mesh whose model is sharded).
+    to_devices: the devices ``target`` is laid out for (likewise).
     stacked: every leaf has a leading axis of devices, ``[n, ...]``, as
       under ``jax.pmap``; otherwise per-device leaves are those of the
       devices laid end to end along their first axis and the rest replicated,
@@ -369,7 +382,9 @@ class _Resizer:
       if tuple(jnp.shape(s)) != t.shape or jnp.result_type(s) != t.dtype:
         raise self.error(jax.tree_util.keystr(key_path),
                          f"saved as {jnp.result_type(s)}{list(jnp.shape(s))}, the target is "
-                         f"{t.dtype}{list(t.shape)} on as many devices: another configuration")
+                         f"{t.dtype}{list(t.shape)} on as many devices: another configuration, "
+                         "or another layout over the model axes of a mesh whose model is "
+                         "sharded")
 
   def _stack(self, data: np.ndarray, along: bool, path: str, count: int) -> np.ndarray:
     """A saved leaf as ``[count, ...]``, one row a device."""
@@ -426,7 +441,9 @@ def _check_per_device(saved: np.ndarray, target) -> None:
     raise ValueError(
         f"each device saved {saved.dtype}{list(saved.shape[1:])}, each now needs "
         f"{target.dtype}{list(target.shape[1:])}: its layout depends on the device count (a "
-        "residual over several axes), or the state comes from another configuration")
+        "residual over several axes), the model axes of a mesh whose model is sharded lay it "
+        "out otherwise (a state moves between numbers of data groups with the same model "
+        "axes), or the state comes from another configuration")
 
 
 def _broadcast(row_values: np.ndarray, target) -> np.ndarray:
