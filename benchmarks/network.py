@@ -83,6 +83,17 @@ step after its outer gradient (``fragment_delay=1``) against in the same step
 (0), each step's program chosen on the host and in one program of
 conditionals; free and at 100 Mbit/s.
 
+**Part 7, the language model on a hybrid mesh** (``network_hybrid.py``,
+``--parts lm_hybrid``): ``examples/lm --parallelism=hybrid`` on
+``--lm-processes`` processes (2) of 4 CPU devices each, a node each
+(``network_links.Nodes``: a namespace a process, joined to a switch by a link
+of its own, which tbf shapes; a process's own devices talk over its own
+loopback, unshaped). The model is sharded over fsdp x tensor inside each
+process, the data axis runs across the nodes' links. Part 5's procedure on
+float32 (the compiler's own step), bfloat16, 4-bit QSGD with error feedback
+and DiLoCo: seconds to float32's final loss at 1 Gbit/s a node (measured),
+100 Mbit/s and on free links (derived), against issue 44's targets.
+
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
 machine's kernel rates (``compressor_throughput.py``'s JSON), and prints the
@@ -91,7 +102,8 @@ predictions beside the measurements with what each refinement corrects.
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
 ``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
 for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone,
-``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone; ``--suffix`` for
+``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone,
+``network_{N}proc[_quick]_lm_hybrid`` for Part 7 alone; ``--suffix`` for
 another name).
 
 Usage (as root)::
@@ -104,6 +116,7 @@ Usage (as root)::
   python benchmarks/network.py --parts lm --lm-modes fp32 bf16 diloco diloco_streaming \
       --lm-rates unthrottled "100 Mbit/s" --suffix _lm_diloco   # DiLoCo: 26 minutes
   python benchmarks/network.py --parts diloco_overlap           # Part 6: 8 minutes
+  python benchmarks/network.py --parts lm_hybrid                # Part 7: 2 processes of 4 devices
 """
 
 import argparse
