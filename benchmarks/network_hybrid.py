@@ -136,4 +136,6 @@ def table(report: dict, num_processes: int) -> str:
 
 
 def _bytes_range(least: float, most: float) -> str:
-  return f"{least / 1e6:.3f}" if least == most else f"{least / 1e6:.3f}-{most / 1e6:.3f}"
+  """Megabytes, ``least-most`` where they differ at the digits shown."""
+  least_text, most_text = f"{least / 1e6:.3f}", f"{most / 1e6:.3f}"
+  return least_text if least_text == most_text else f"{least_text}-{most_text}"

@@ -62,7 +62,24 @@ def tbf_command(bits_per_second: float | None, num_processes: int,
           "burst", str(burst), "latency", TBF_LATENCY]
 
 
-class Namespace:
+class _Made:
+  """A context manager of namespaces: entering deletes stale ones of the same names and makes
+  them afresh (``make``), deleting them if that fails; leaving deletes them (``delete``)."""
+
+  def __enter__(self):
+    self.delete()
+    try:
+      self.make()
+    except BaseException:
+      self.delete()
+      raise
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.delete()
+
+
+class Namespace(_Made):
   """A private network namespace whose loopback is the emulated link.
 
   Use as a context manager: entering deletes a stale namespace of the same
@@ -75,18 +92,9 @@ class Namespace:
   def __init__(self, name: str):
     self.name = name
 
-  def __enter__(self) -> "Namespace":
-    self.delete()
-    try:
-      run_command(["ip", "netns", "add", self.name])
-      run_command(["ip", "-n", self.name, "link", "set", "lo", "mtu", str(LOOPBACK_MTU), "up"])
-    except BaseException:
-      self.delete()
-      raise
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.delete()
+  def make(self) -> None:
+    run_command(["ip", "netns", "add", self.name])
+    run_command(["ip", "-n", self.name, "link", "set", "lo", "mtu", str(LOOPBACK_MTU), "up"])
 
   def prefix(self, process_id: int = 0) -> list[str]:
     """What runs a command inside the namespace (every process's the same)."""
@@ -115,7 +123,7 @@ class Namespace:
                 check=bits_per_second is not None)
 
 
-class Nodes:
+class Nodes(_Made):
   """``N`` nodes, a namespace each, joined by a link a node to a switch.
 
   Node ``i`` is the namespace ``{name}_node{i}``: its loopback, and one end
@@ -139,27 +147,19 @@ class Nodes:
     self.addresses = [f"{NODE_SUBNET}.{i + 1}" for i in range(num_nodes)]
     self.coordinator_host = self.addresses[0]
 
-  def __enter__(self) -> "Nodes":
-    try:
-      self.switch.__enter__()
-      run_command(["ip", "-n", self.switch.name, "link", "add", SWITCH, "type", "bridge"])
-      run_command(["ip", "-n", self.switch.name, "link", "set", SWITCH, "up"])
-      for i, (node, address) in enumerate(zip(self.nodes, self.addresses, strict=True)):
-        node.__enter__()
-        run_command(["ip", "link", "add", "name", NODE_LINK, "netns", node.name, "mtu",
-                     str(LOOPBACK_MTU), "type", "veth", "peer", "name", f"node{i}", "netns",
-                     self.switch.name, "mtu", str(LOOPBACK_MTU)])
-        run_command(["ip", "-n", self.switch.name, "link", "set", f"node{i}", "master", SWITCH,
-                     "up"])
-        run_command(["ip", "-n", node.name, "addr", "add", f"{address}/24", "dev", NODE_LINK])
-        run_command(["ip", "-n", node.name, "link", "set", NODE_LINK, "up"])
-    except BaseException:
-      self.delete()
-      raise
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.delete()
+  def make(self) -> None:
+    self.switch.make()
+    run_command(["ip", "-n", self.switch.name, "link", "add", SWITCH, "type", "bridge"])
+    run_command(["ip", "-n", self.switch.name, "link", "set", SWITCH, "up"])
+    for i, (node, address) in enumerate(zip(self.nodes, self.addresses, strict=True)):
+      node.make()
+      run_command(["ip", "link", "add", "name", NODE_LINK, "netns", node.name, "mtu",
+                   str(LOOPBACK_MTU), "type", "veth", "peer", "name", f"node{i}", "netns",
+                   self.switch.name, "mtu", str(LOOPBACK_MTU)])
+      run_command(["ip", "-n", self.switch.name, "link", "set", f"node{i}", "master", SWITCH,
+                   "up"])
+      run_command(["ip", "-n", node.name, "addr", "add", f"{address}/24", "dev", NODE_LINK])
+      run_command(["ip", "-n", node.name, "link", "set", NODE_LINK, "up"])
 
   def prefix(self, process_id: int) -> list[str]:
     """What runs a command as process ``process_id``: in its node, named by its address."""
