@@ -158,7 +158,7 @@ from network_links import (  # noqa: E402
 )
 
 PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm", "diloco_overlap", "lm_hybrid")
-# The parts of 2 processes (--lm-processes), whose figures may go in files of their own.
+# The parts whose figures go in files of their own when they run alone.
 LM_PARTS = ("lm_fsdp", "lm", "diloco_overlap", "lm_hybrid")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
@@ -707,7 +707,8 @@ def _header(args, argv, denied: str | None) -> str:
 def _devices(args) -> str:
   if args.parts == ["lm_hybrid"]:
     return f"{network_hybrid.DEVICES_PER_PROCESS} CPU devices"
-  return "one CPU device" + (" (Part 7's: 4)" if "lm_hybrid" in args.parts else "")
+  hybrid = f" (Part 7's: {network_hybrid.DEVICES_PER_PROCESS})" if "lm_hybrid" in args.parts else ""
+  return "one CPU device" + hybrid
 
 
 def _hugetlb() -> bool:
@@ -732,19 +733,19 @@ def main(argv=None) -> None:
                                       if args.suffix is None else args.suffix)
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
+  # Part 7 runs in nodes of its own (network_links.Nodes), not in the shared loopback.
+  loopback = not denied and args.parts != ["lm_hybrid"]
   sections = [_header(args, argv, denied)]
   print(sections[0], flush=True)
   report = {"command": _command(argv), "processes": args.processes, "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "namespace": None if denied else args.namespace, "no_namespace_because": denied}
+            "namespace": args.namespace if loopback else None, "no_namespace_because": denied}
   started = time.perf_counter()
   work = pathlib.Path(tempfile.mkdtemp(prefix="qsgd_jax_network_"))
   _log(f"each process's log, the plans and the raw measurements go to {work}")
   with contextlib.ExitStack() as stack:
-    # Part 7 runs in nodes of its own (network_links.Nodes).
-    loopback = not denied and args.parts != ["lm_hybrid"]
     namespace = stack.enter_context(Namespace(args.namespace)) if loopback else None
     launcher = Launcher(namespace, args.processes, args.timeout)
     if "collectives" in args.parts:

@@ -98,8 +98,8 @@ def link_description(denied: str | None) -> str:
   if denied:
     return (f"No nodes: {denied}. Measured unthrottled only, every process on the host's"
             " loopback, its devices' collectives too.")
-  return (f"The links: a private network namespace a node (a process), each joined to a switch"
-          f" (a bridge in a namespace of its own) by a veth link of its own (MTU"
+  return ("The links: a private network namespace a node (a process), each joined to a switch"
+          " (a bridge in a namespace of its own) by a veth link of its own (MTU"
           f" {network_links.LOOPBACK_MTU}) that tc's token bucket filter limits to the per-node"
           " rate both ways; a node's own devices connect over its own loopback, unshaped. Not a"
           " real network: no propagation delay, no other traffic, and the links' copies, as the"

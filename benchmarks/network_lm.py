@@ -27,6 +27,9 @@ float32 before their freeze and one bit after, 0/1 Adam float32 variance
 steps among its 1-bit ones before the freeze, PowerSGD float32 for its first
 ``powersgd_start_iter`` steps). The same derivation from
 the full run's own step times is given beside its measurement, as a check.
+
+The machinery (:func:`run`, :func:`summarize`, :func:`table`) runs whatever
+:class:`Part` it is given: Part 7 (``network_hybrid.py``) is another.
 """
 
 import json
