@@ -83,6 +83,17 @@ step after its outer gradient (``fragment_delay=1``) against in the same step
 (0), each step's program chosen on the host and in one program of
 conditionals; free and at 100 Mbit/s.
 
+**Part 7, the language model on a hybrid mesh** (``network_hybrid.py``,
+``--parts lm_hybrid``): ``examples/lm --parallelism=hybrid`` on
+``--lm-processes`` processes (2) of 4 CPU devices each, a node each
+(``network_links.Nodes``: a namespace a process, joined to a switch by a link
+of its own, which tbf shapes; a process's own devices talk over its own
+loopback, unshaped). The model is sharded over fsdp x tensor inside each
+process, the data axis runs across the nodes' links. Part 5's procedure on
+float32 (the compiler's own step), bfloat16, 4-bit QSGD with error feedback
+and DiLoCo: seconds to float32's final loss at 1 Gbit/s a node (measured),
+100 Mbit/s and on free links (derived), against issue 44's targets.
+
 **Part 3, the cost model.** ``cost_model.network_predictions`` predicts every
 time of Part 1 from the bytes, the link rate, the latency probe and this
 machine's kernel rates (``compressor_throughput.py``'s JSON), and prints the
@@ -91,7 +102,8 @@ predictions beside the measurements with what each refinement corrects.
 Results go to ``--out`` (``network_{N}proc[_quick].json`` and ``.md``, and
 ``network_time_to_accuracy_{N}proc[_quick].png``; ``network_{N}proc[_quick]_lm_fsdp``
 for Part 4 alone, ``network_{N}proc[_quick]_lm`` for Part 5 alone,
-``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone; ``--suffix`` for
+``network_{N}proc[_quick]_diloco_overlap`` for Part 6 alone,
+``network_{N}proc[_quick]_lm_hybrid`` for Part 7 alone; ``--suffix`` for
 another name).
 
 Usage (as root)::
@@ -104,6 +116,7 @@ Usage (as root)::
   python benchmarks/network.py --parts lm --lm-modes fp32 bf16 diloco diloco_streaming \
       --lm-rates unthrottled "100 Mbit/s" --suffix _lm_diloco   # DiLoCo: 26 minutes
   python benchmarks/network.py --parts diloco_overlap           # Part 6: 8 minutes
+  python benchmarks/network.py --parts lm_hybrid                # Part 7: 2 processes of 4 devices
 """
 
 import argparse
@@ -115,7 +128,6 @@ import math
 import os
 import pathlib
 import platform
-import shutil
 import signal
 import socket
 import statistics
@@ -132,11 +144,22 @@ sys.path[:0] = [str(_ROOT), str(_HERE)]
 import cost_model  # noqa: E402
 import network_diloco  # noqa: E402
 import network_fsdp  # noqa: E402
+import network_hybrid  # noqa: E402
 import network_lm  # noqa: E402
 import network_worker  # noqa: E402
+from network_links import (  # noqa: E402
+    LOOPBACK_MTU,
+    NAMESPACE,
+    STOP_SIGNALS,
+    Namespace,
+    Nodes,
+    namespace_permission,
+    tbf_command,
+)
 
-NAMESPACE = "qsgd_jax_network"
-PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm", "diloco_overlap")
+PARTS = ("collectives", "training", "cost_model", "lm_fsdp", "lm", "diloco_overlap", "lm_hybrid")
+# The parts whose figures go in files of their own when they run alone.
+LM_PARTS = ("lm_fsdp", "lm", "diloco_overlap", "lm_hybrid")
 # (name, bits a second a node); None is an unshaped loopback.
 RATES = {
     "100 Mbit/s": 100e6,
@@ -153,12 +176,7 @@ PMEAN, FUSED = "fp32_pmean", "fp32_pmean/fused"
 TRAINING_MODES = ("fp32", "qsgd4", "onebit", "decentralized8")
 TRAINING_CONFIG = "examples/imagenet/configs/digits_mlp.py"
 TRAINING_RATE = "100 Mbit/s"
-LOOPBACK_MTU = 9000
-MIN_BURST_BYTES = 32 * 1024
-BURST_SECONDS = 1e-3
-TBF_LATENCY = "50ms"
 FIRST_PORT = 23456
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Issue 14's targets: (tree, rate, mode, least speedup over fp32).
 TARGETS = (
     ("resnet50", "1 Gbit/s", "qsgd4/two_phase", 4.0),
@@ -172,89 +190,6 @@ class LaunchError(RuntimeError):
   """A process of a launch failed or ran out of time."""
 
 
-def _run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
-  return subprocess.run(command, capture_output=True, text=True, check=check)
-
-
-def tbf_command(bits_per_second: float | None, num_processes: int) -> list[str]:
-  """The ``tc`` command, run inside the namespace, that gives its loopback this rate.
-
-  Args:
-    bits_per_second: the per-node rate; ``None`` removes any limit.
-    num_processes: the nodes sharing the loopback; it is limited to their sum.
-  """
-  if bits_per_second is None:  # Back to the loopback's default, no queueing discipline.
-    return ["tc", "qdisc", "del", "dev", "lo", "root"]
-  aggregate = bits_per_second * num_processes
-  burst = max(MIN_BURST_BYTES, int(aggregate / 8 * BURST_SECONDS))
-  return ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{aggregate:.0f}bit",
-          "burst", str(burst), "latency", TBF_LATENCY]
-
-
-class Namespace:
-  """A private network namespace whose loopback is the emulated link.
-
-  Use as a context manager: entering deletes a stale namespace of the same
-  name and creates a fresh one with its loopback up; leaving kills what still
-  runs inside and deletes it.
-  """
-
-  def __init__(self, name: str):
-    self.name = name
-
-  def __enter__(self) -> "Namespace":
-    self.delete()
-    try:
-      _run(["ip", "netns", "add", self.name])
-      _run(["ip", "-n", self.name, "link", "set", "lo", "mtu", str(LOOPBACK_MTU), "up"])
-    except BaseException:
-      self.delete()
-      raise
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.delete()
-
-  def prefix(self) -> list[str]:
-    """What runs a command inside the namespace."""
-    return ["ip", "netns", "exec", self.name]
-
-  def exists(self) -> bool:
-    return self.name in _run(["ip", "netns", "list"], check=False).stdout.split()
-
-  def delete(self) -> None:
-    """Kills what runs inside, then deletes the namespace; a signal waits until it is done."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-      if not self.exists():
-        return
-      for pid in _run(["ip", "netns", "pids", self.name], check=False).stdout.split():
-        with contextlib.suppress(ProcessLookupError):
-          os.kill(int(pid), signal.SIGKILL)
-      _run(["ip", "netns", "del", self.name])
-    finally:
-      signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-  def set_rate(self, bits_per_second: float | None, num_processes: int) -> None:
-    # Removing a limit that is not there fails harmlessly.
-    _run(self.prefix() + tbf_command(bits_per_second, num_processes),
-         check=bits_per_second is not None)
-
-
-def namespace_permission() -> str | None:
-  """``None`` where this process may create a network namespace, else why not."""
-  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-  if missing:
-    return f"{' and '.join(missing)} not found (iproute2)"
-  probe = f"{NAMESPACE}_probe{os.getpid()}"
-  created = _run(["ip", "netns", "add", probe], check=False)
-  if created.returncode:
-    return (f"`ip netns add` failed (it needs root: CAP_SYS_ADMIN and CAP_NET_ADMIN):"
-            f" {created.stderr.strip()}")
-  _run(["ip", "netns", "del", probe], check=False)
-  return None
-
-
 def _free_port() -> int:
   with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
@@ -266,21 +201,25 @@ def _die_with_parent() -> None:
   ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def _child_environment() -> dict[str, str]:
+def _child_environment(devices_per_process: int) -> dict[str, str]:
   flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
            if not flag.startswith("--xla_force_host_platform_device_count")]
-  flags.append("--xla_force_host_platform_device_count=1")
+  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
   path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
   return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONPATH=path)
 
 
 class Launcher:
-  """Starts ``N`` processes of one program, in the namespace if there is one."""
+  """Starts ``N`` processes of one program, of ``devices_per_process`` CPU devices each, in the
+  namespace (:class:`~network_links.Namespace`) or nodes (:class:`~network_links.Nodes`) if
+  there are some."""
 
-  def __init__(self, namespace: Namespace | None, num_processes: int, timeout: float):
+  def __init__(self, namespace: Namespace | Nodes | None, num_processes: int, timeout: float,
+               devices_per_process: int = 1):
     self.namespace = namespace
     self.num_processes = num_processes
     self.timeout = timeout
+    self.devices_per_process = devices_per_process
     self._ports = itertools.count(FIRST_PORT + 1)
 
   def with_processes(self, num_processes: int) -> "Launcher":
@@ -291,8 +230,9 @@ class Launcher:
 
   def coordinator_address(self) -> str:
     """A fresh port each launch: in the namespace nothing else listens."""
-    port = next(self._ports) if self.namespace else _free_port()
-    return f"127.0.0.1:{port}"
+    if self.namespace is None:
+      return f"127.0.0.1:{_free_port()}"
+    return f"{self.namespace.coordinator_host}:{next(self._ports)}"
 
   def run(self, command_for, logs: pathlib.Path) -> float:
     """Runs ``command_for(process_id)`` for every process; returns the wall-clock seconds.
@@ -301,17 +241,17 @@ class Launcher:
       LaunchError: if a process exits with an error or the launch outlasts
         the timeout; the message holds the end of that process's log.
     """
-    prefix = self.namespace.prefix() if self.namespace else []
     logs.mkdir(parents=True, exist_ok=True)
     processes = []
     start = time.perf_counter()
     try:
       for process_id in range(self.num_processes):
         with open(logs / f"process{process_id}.log", "wb") as log:
+          prefix = self.namespace.prefix(process_id) if self.namespace else []
           processes.append(subprocess.Popen(
               prefix + command_for(process_id), stdout=log, stderr=subprocess.STDOUT,
-              env=_child_environment(), cwd=_ROOT, start_new_session=True,
-              preexec_fn=_die_with_parent))
+              env=_child_environment(self.devices_per_process), cwd=_ROOT,
+              start_new_session=True, preexec_fn=_die_with_parent))
       # The first process to fail ends the launch: the others would wait for it.
       while True:
         _raise_if_stopped()
@@ -711,6 +651,7 @@ def parse_args(argv=None):
   network_fsdp.add_arguments(parser)
   network_lm.add_arguments(parser)
   network_diloco.add_arguments(parser)
+  network_hybrid.add_arguments(parser)
   args = parser.parse_args(argv)
   for rate in args.fsdp_rates or ():
     if rate not in RATES:
@@ -718,13 +659,14 @@ def parse_args(argv=None):
   network_fsdp.resolve_arguments(args)
   try:
     network_lm.resolve_arguments(args, RATES)
+    network_hybrid.resolve_arguments(args, RATES)
   except ValueError as error:
     parser.error(str(error))
   for rate in args.overlap_rates:
     if rate not in RATES:
       parser.error(f"--overlap-rates: {rate!r} is not one of {tuple(RATES)}")
-  if set(args.parts) <= {"lm", "diloco_overlap"}:  # The header and the files' names count
-    # the part's processes.
+  if set(args.parts) <= {"lm", "diloco_overlap", "lm_hybrid"}:  # The header and the files'
+    # names count the part's processes.
     args.processes = args.lm_processes
   args.trees = tuple(args.trees or (QUICK_TREES if args.quick else TREES))
   args.modes = tuple(args.modes or (QUICK_MODES if args.quick else network_worker.MODES))
@@ -738,7 +680,7 @@ def parse_args(argv=None):
 def _header(args, argv, denied: str | None) -> str:
   lines = [
       "# Real processes over a rate-limited link", "", f"`{_command(argv)}`", "",
-      f"{args.processes} processes, one CPU device each, jax.distributed with gloo on 127.0.0.1,"
+      f"{args.processes} processes, {_devices(args)} each, jax.distributed with gloo over TCP,"
       f" sharing this machine's {os.cpu_count()} cores"
       f" ({platform.processor() or platform.machine()}, load average"
       f" {os.getloadavg()[0]:.1f} at the start).", "",
@@ -748,11 +690,11 @@ def _header(args, argv, denied: str | None) -> str:
   ]
   if os.environ.get("XLA_FLAGS"):
     lines += [f"XLA_FLAGS={os.environ['XLA_FLAGS']!r} in every process (its device count set to"
-              " one).", ""]
+              " the part's).", ""]
   if denied:
     lines.append(f"No network namespace: {denied}. Measuring unthrottled only, on the host's"
                  " loopback, without counting its bytes (other traffic shares it).")
-  else:
+  elif args.parts != ["lm_hybrid"]:  # Whose section describes its links.
     lines.append(f"The link: a private network namespace whose loopback (MTU {LOOPBACK_MTU}) all"
                  f" {args.processes} processes share, limited by tc's token bucket filter to"
                  f" {args.processes} x the per-node rate. That is what a switch with one link of"
@@ -760,6 +702,13 @@ def _header(args, argv, denied: str | None) -> str:
                  " rate, and the loopback is not a switch: no propagation delay, no other"
                  " traffic, and its copies run on the same cores as the processes.")
   return "\n".join(lines) + "\n"
+
+
+def _devices(args) -> str:
+  if args.parts == ["lm_hybrid"]:
+    return f"{network_hybrid.DEVICES_PER_PROCESS} CPU devices"
+  hybrid = f" (Part 7's: {network_hybrid.DEVICES_PER_PROCESS})" if "lm_hybrid" in args.parts else ""
+  return "one CPU device" + hybrid
 
 
 def _hugetlb() -> bool:
@@ -777,25 +726,27 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   for signum in STOP_SIGNALS[1:]:  # SIGINT raises KeyboardInterrupt already.
     signal.signal(signum, _raise_on_signal)
-  alone = args.parts in (["lm_fsdp"], ["lm"], ["diloco_overlap"])  # A part run by itself.
+  alone = len(args.parts) == 1 and args.parts[0] in LM_PARTS  # A part run by itself.
   suffix = f"{args.processes}proc" + (("_quick" if args.quick else "")
                                       + ("_hugetlb" if _hugetlb() else "")
                                       + (f"_{args.parts[0]}" if alone else "")
                                       if args.suffix is None else args.suffix)
   args.out.mkdir(parents=True, exist_ok=True)
   denied = namespace_permission()
+  # Part 7 runs in nodes of its own (network_links.Nodes), not in the shared loopback.
+  loopback = not denied and args.parts != ["lm_hybrid"]
   sections = [_header(args, argv, denied)]
   print(sections[0], flush=True)
   report = {"command": _command(argv), "processes": args.processes, "cpu_count": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "namespace": None if denied else args.namespace, "no_namespace_because": denied}
+            "namespace": args.namespace if loopback else None, "no_namespace_because": denied}
   started = time.perf_counter()
   work = pathlib.Path(tempfile.mkdtemp(prefix="qsgd_jax_network_"))
   _log(f"each process's log, the plans and the raw measurements go to {work}")
   with contextlib.ExitStack() as stack:
-    namespace = None if denied else stack.enter_context(Namespace(args.namespace))
+    namespace = stack.enter_context(Namespace(args.namespace)) if loopback else None
     launcher = Launcher(namespace, args.processes, args.timeout)
     if "collectives" in args.parts:
       _log(f"Part 1: {args.trees}, {len(args.modes)} modes, rates"
@@ -823,7 +774,7 @@ def main(argv=None) -> None:
       _log(f"Part 5: {args.lm_modes}, {args.lm_steps} steps at {args.lm_rate} a node,"
            f" {args.lm_short_steps} at {args.lm_rates}")
       report["lm"] = network_lm.run(launcher.with_processes(args.lm_processes), args, work,
-                                    RATES, _log)
+                                    RATES, _log, network_lm.data_parallel(args))
       sections.append(_section(
           "Part 5: the language model, data-parallel, to float32's final loss",
           network_lm.table(report["lm"], args.lm_processes)))
@@ -835,6 +786,13 @@ def main(argv=None) -> None:
       sections.append(_section(
           "Part 6: does DiLoCo's exchange overlap the computation?",
           network_diloco.table(report["diloco_overlap"])))
+    if "lm_hybrid" in args.parts:
+      _log(f"Part 7: {args.hybrid_modes} on a hybrid mesh, {args.lm_steps} steps at"
+           f" {args.lm_rate} a node, {args.lm_short_steps} at {args.hybrid_rates}")
+      report["lm_hybrid"] = run_hybrid(args, work / "lm_hybrid")
+      sections.append(_section(
+          "Part 7: the language model on a hybrid mesh, to float32's final loss",
+          network_hybrid.table(report["lm_hybrid"], args.lm_processes)))
   if namespace is not None and namespace.exists():
     raise RuntimeError(f"network namespace {namespace.name} still exists after the run")
   if "cost_model" in args.parts and "collectives" in report:
@@ -851,6 +809,20 @@ def main(argv=None) -> None:
   (args.out / f"network_{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
   (args.out / f"network_{suffix}.md").write_text("\n".join(sections))
   print(f"wrote {args.out / f'network_{suffix}.json'} and .md ({report['seconds']:.0f} s)")
+
+
+def run_hybrid(args, work: pathlib.Path) -> dict:
+  """Part 7 in nodes of its own, made and deleted here (on the host's loopback without them)."""
+  denied = namespace_permission(("ip", "tc", "unshare"))
+  nodes = Nodes(f"{args.namespace}_hybrid", args.lm_processes)
+  with contextlib.nullcontext() if denied else nodes:
+    launcher = Launcher(None if denied else nodes, args.lm_processes, args.timeout,
+                        network_hybrid.DEVICES_PER_PROCESS)
+    report = network_lm.run(launcher, args, work, RATES, _log, network_hybrid.part(args))
+  if not denied and nodes.exists():
+    raise RuntimeError(f"network namespaces {nodes.name}_* still exist after the run")
+  return report | {"nodes": None if denied else nodes.name, "no_nodes_because": denied,
+                   "link": network_hybrid.link_description(denied)}
 
 
 def _throughput(args) -> dict:

@@ -27,12 +27,16 @@ float32 before their freeze and one bit after, 0/1 Adam float32 variance
 steps among its 1-bit ones before the freeze, PowerSGD float32 for its first
 ``powersgd_start_iter`` steps). The same derivation from
 the full run's own step times is given beside its measurement, as a check.
+
+The machinery (:func:`run`, :func:`summarize`, :func:`table`) runs whatever
+:class:`Part` it is given: Part 7 (``network_hybrid.py``) is another.
 """
 
 import json
 import pathlib
 import statistics
 import sys
+from typing import NamedTuple
 
 CONFIG = "examples/lm/configs/network.py"
 SYNC_EVERY = 20  # DiLoCo's H in MODES.
@@ -55,7 +59,14 @@ MODES = {
                           f"--config.sync_every={SYNC_EVERY}", "--config.outer_average=qsgd4_ef",
                           "--config.fragments=2", "--config.fragment_delay=1"]),
 }
-DILOCO_MODES = tuple(mode for mode, (_, flags) in MODES.items() if "--optimizer=diloco" in flags)
+
+
+def is_diloco(flags: list[str]) -> bool:
+  """Whether a mode's flags train DiLoCo: its steps differ by round, and it trains longer."""
+  return "--optimizer=diloco" in flags
+
+
+DILOCO_MODES = tuple(mode for mode, (_, flags) in MODES.items() if is_diloco(flags))
 # Part 5's modes unless --lm-modes says: DiLoCo's (twice the steps) are asked for by name.
 DEFAULT_MODES = tuple(mode for mode in MODES if mode not in DILOCO_MODES)
 QUICK_MODES = ("fp32", "onebit_adam")
@@ -81,6 +92,32 @@ FREE_LINK = "unthrottled"  # The floor: the same processes on an unshaped loopba
 TARGETS = (("onebit_adam", "fp32", RATE, 3.0), ("onebit_adam", "bf16", RATE, 1.5),
            ("diloco", FREE_LINK, RATE, 1.15), ("diloco", "fp32", RATE, 1.5),
            ("diloco", "fp32", "100 Mbit/s", 5.0))
+
+
+class Part(NamedTuple):
+  """What a part trains, how, and what it is held to: Part 5's (:data:`DATA_PARALLEL`) or
+  another's run by the same machinery (``network_hybrid.py``).
+
+  Attributes:
+    config: the example's configuration file.
+    modes: name to (what travels, the example's flags): the modes to train, in order.
+    targets: ``(mode, baseline, rate, bound)``, as :data:`TARGETS`.
+    other_rates: the rates a node of the short runs, beside the full runs' ``--lm-rate``.
+    flags: more of the example's flags, for every mode.
+    setup: a sentence on the processes and the mesh, for the report ("": Part 5's).
+    summary_fields: the fields of a run's ``summary.json`` that the report keeps a mode.
+  """
+
+  config: str
+  modes: dict[str, tuple[str, list[str]]]
+  targets: tuple[tuple[str, str, str, float], ...]
+  other_rates: tuple[str, ...] = ()
+  flags: tuple[str, ...] = ()
+  setup: str = ""
+  summary_fields: tuple[str, ...] = ()
+
+
+DATA_PARALLEL = Part(CONFIG, MODES, TARGETS, OTHER_RATES)
 
 
 def add_arguments(parser) -> None:
@@ -117,6 +154,12 @@ def resolve_arguments(args, rates: dict) -> None:
   if min(args.lm_steps, args.lm_diloco_steps) < 2 * SMOOTHING or args.lm_short_steps < 6:
     raise ValueError(f"--lm-steps must be at least {2 * SMOOTHING} and --lm-short-steps at "
                      "least 6: the loss is smoothed, and a short run times two kinds of step.")
+
+
+def data_parallel(args) -> Part:
+  """Part 5 as ``args`` choose it: its modes and other rates."""
+  return DATA_PARALLEL._replace(modes={mode: MODES[mode] for mode in args.lm_modes},
+                                other_rates=args.lm_rates)
 
 
 def launch_example(launcher, config: str, flags: list[str], workdir: pathlib.Path):
@@ -214,50 +257,51 @@ def derived_seconds(records: list[dict], step: int, kinds: dict[float | None, fl
 # The runs -------------------------------------------------------------------
 
 
-def _flags(mode: str, num_steps: int, short: bool, num_processes: int) -> list[str]:
+def _flags(part: Part, mode: str, num_steps: int, short: bool, num_processes: int) -> list[str]:
   # A fifth of a full run before the compressed Adams' freeze; half of a short run, so that it
   # times both kinds of step (PowerSGD's float32 start too).
   switch = num_steps // 2 if short else num_steps // 5
-  flags = [*MODES[mode][1], f"--config.num_train_steps={num_steps}",
+  flags = [*part.modes[mode][1], *part.flags, f"--config.num_train_steps={num_steps}",
            f"--config.freeze_step={switch}", "--config.log_every_steps=1",
            f"--config.eval_every_steps={num_steps}", f"--config.batch_size={num_processes}"]
-  if mode in DILOCO_MODES:  # A worker a process.
+  if is_diloco(part.modes[mode][1]):  # A worker a process.
     flags.append(f"--config.diloco_workers={num_processes}")
   return flags + ([f"--config.powersgd_start_iter={switch}"] if short else [])
 
 
-def _steps(mode: str, num_steps: int, short: bool, args) -> int:
+def _steps(diloco: bool, num_steps: int, short: bool, args) -> int:
   """A run's steps: DiLoCo's full runs longer, its short ones over several rounds."""
-  if mode not in DILOCO_MODES:
+  if not diloco:
     return num_steps
   return max(num_steps, DILOCO_SHORT_STEPS) if short else args.lm_diloco_steps
 
 
-def run(launcher, args, work: pathlib.Path, rates: dict, log) -> dict:
-  """Trains every mode fully at one rate and shortly at the others; returns the part's report."""
-  full_rate = args.lm_rate if launcher.namespace else "unthrottled"
+def run(launcher, args, work: pathlib.Path, rates: dict, log, part: Part) -> dict:
+  """Trains every mode of ``part`` fully at ``--lm-rate`` and shortly at its other rates;
+  returns the part's report."""
+  full_rate = args.lm_rate if launcher.namespace else FREE_LINK
   plan = [(full_rate, args.lm_steps, False)]
   if launcher.namespace:
-    plan += [(rate, args.lm_short_steps, True) for rate in args.lm_rates]
+    plan += [(rate, args.lm_short_steps, True) for rate in part.other_rates]
   else:
-    log(f"part lm: no namespace, so {args.lm_rate} and {args.lm_rates} are not measured")
+    log(f"no namespace, so {args.lm_rate} and {part.other_rates} are not measured")
   runs = {}
   for rate, num_steps, short in plan:
     if launcher.namespace:
       launcher.namespace.set_rate(rates[rate], launcher.num_processes)
     runs[rate] = {}
-    for mode in args.lm_modes:
+    for mode, (_, mode_flags) in part.modes.items():
       workdir = work / "lm" / rate.replace(" ", "_").replace("/", "_") / mode
-      steps = _steps(mode, num_steps, short, args)
-      flags = _flags(mode, steps, short, launcher.num_processes)
+      steps = _steps(is_diloco(mode_flags), num_steps, short, args)
+      flags = _flags(part, mode, steps, short, launcher.num_processes)
       log(f"lm {mode} at {rate} ({launcher.num_processes} processes, {steps} steps)")
-      launch_seconds, summary, records = launch_example(launcher, CONFIG, flags, workdir)
+      launch_seconds, summary, records = launch_example(launcher, part.config, flags, workdir)
       runs[rate][mode] = {"flags": flags, "launch_seconds": launch_seconds, "summary": summary,
                           "records": training_records(records)}
-  return summarize(runs, full_rate, args.lm_steps)
+  return summarize(runs, full_rate, args.lm_steps, part)
 
 
-def summarize(runs: dict, full_rate: str, num_steps: int) -> dict:
+def summarize(runs: dict, full_rate: str, num_steps: int, part: Part = DATA_PARALLEL) -> dict:
   """Per mode: the full run's figures and time to fp32's loss, measured and derived by rate."""
   full = runs[full_rate]
   target = smoothed_losses(full["fp32"]["records"])[num_steps] if "fp32" in full else None
@@ -268,8 +312,9 @@ def summarize(runs: dict, full_rate: str, num_steps: int) -> dict:
     final = smoothed[max(smoothed)]  # A DiLoCo mode may train longer than num_steps.
     step = None if target is None else first_step_at_or_below(records, target)
     steady = steady_from(records)
+    sent = [r["wire_bytes"] for r in records if r.get("wire_bytes") is not None]
     modes[mode] = {
-        "what_travels": MODES[mode][0],
+        "what_travels": part.modes[mode][0],
         "flags": run_["flags"],
         "num_params": summary["num_params"],
         "steps": max(smoothed),
@@ -279,10 +324,12 @@ def summarize(runs: dict, full_rate: str, num_steps: int) -> dict:
         "eval_loss": summary["eval_loss"],
         "steady_from_step": steady,
         "wire_bytes_per_step": records[-1].get("wire_bytes"),
-        "mean_wire_bytes_per_step": statistics.fmean(r.get("wire_bytes", 0.0) for r in records),
+        # None where the step does not say (the compiler's own all-reduce).
+        "mean_wire_bytes_per_step": statistics.fmean(sent) if sent else None,
         "compile_seconds": summary["compile_seconds"],
         "train_seconds": summary["train_seconds"],
         "step_to_target": step,
+        "summary": {field: summary.get(field) for field in part.summary_fields},
         "curve": [{"step": r["step"], "loss": r["loss"], "train_seconds": r["train_seconds"],
                    "wire_bytes": r.get("wire_bytes")} for r in records],
         "rates": {},
@@ -298,7 +345,7 @@ def summarize(runs: dict, full_rate: str, num_steps: int) -> dict:
           "measured": measured,
           "steps": len(by_mode[mode]["records"]),
           # DiLoCo's steps differ by round, not by phase: the mean over the run.
-          "seconds_per_step": (mean_seconds_per_step if mode in DILOCO_MODES
+          "seconds_per_step": (mean_seconds_per_step if is_diloco(run_["flags"])
                                else seconds_per_step)(by_mode[mode]["records"]),
           "seconds_by_wire_bytes": [{"wire_bytes": sent, "seconds": time}
                                     for sent, time in kinds.items()],
@@ -317,15 +364,16 @@ def summarize(runs: dict, full_rate: str, num_steps: int) -> dict:
             "seconds_to_target")
         mine = entry["seconds_to_target"]
         entry[key] = mine / base if base and mine else None
-  return {"config": CONFIG, "steps": num_steps, "smoothing": SMOOTHING, "full_rate": full_rate,
-          "target_loss": target, "modes": modes, "targets": targets(modes, full_rate)}
+  return {"config": part.config, "setup": part.setup, "steps": num_steps, "smoothing": SMOOTHING,
+          "full_rate": full_rate, "target_loss": target, "modes": modes,
+          "targets": targets(modes, full_rate, part.targets)}
 
 
-def targets(modes: dict, full_rate: str) -> list[dict]:
-  """The issues' targets, met or not: how much sooner than each baseline, or for a
-  :data:`FREE_LINK` baseline how much later than the mode's own free-link run."""
+def targets(modes: dict, full_rate: str, bounds=TARGETS) -> list[dict]:
+  """The issues' targets (``bounds``), met or not: how much sooner than each baseline, or for
+  a :data:`FREE_LINK` baseline how much later than the mode's own free-link run."""
   rows = []
-  for mode, baseline, rate, bound in TARGETS:
+  for mode, baseline, rate, bound in bounds:
     rates = modes.get(mode, {}).get("rates", {})
     if rate not in rates or full_rate != RATE:
       continue
@@ -356,6 +404,7 @@ def table(report: dict, num_processes: int) -> str:
   lines = [
       "", f"### {report['config']}, {num_processes} processes, {full_rate} a node, "
       f"{report['steps']} steps (measured)", "",
+      *([report["setup"], ""] if report.get("setup") else []),
       f"Target: fp32's final training loss, {target:.4f} nats a byte (mean of its last "
       f"{report['smoothing']} steps)." if target is not None else "No fp32 run: no target.", "",
       "| mode | what travels | steps | s/step | MB/step sent | mean MB/step | final loss "
@@ -368,8 +417,7 @@ def table(report: dict, num_processes: int) -> str:
     sent = entry["wire_bytes_per_step"]
     lines.append(
         f"| {mode} | {entry['what_travels']} | {entry['steps']} | {rate['seconds_per_step']:.3f} "
-        f"| {'-' if sent is None else f'{sent / 1e6:.3f}'} "
-        f"| {entry['mean_wire_bytes_per_step'] / 1e6:.3f} "
+        f"| {_megabytes(sent)} | {_megabytes(entry['mean_wire_bytes_per_step'])} "
         f"| {entry['final_smoothed_train_loss']:.4f} "
         f"| {entry['step_to_target'] if reached else 'not reached'} "
         f"| {_seconds(rate['seconds_to_target']) if reached else _gap(entry)} "
@@ -416,17 +464,19 @@ def table(report: dict, num_processes: int) -> str:
 
 def _kinds_table(modes: dict) -> list[str]:
   """DiLoCo's steps by what they send: the steps between syncs (0 bytes) and the exchanges."""
-  rows = [(mode, rate, kind) for mode, entry in modes.items() if mode in DILOCO_MODES
+  rows = [(mode, rate, kind) for mode, entry in modes.items() if is_diloco(entry["flags"])
           for rate, figures in entry["rates"].items() for kind in figures["seconds_by_wire_bytes"]]
   if not rows:
     return []
   lines = ["", "DiLoCo's steps by what they send across workers (the median step of each kind,"
            " step 1 left out):", "", "| mode | rate | MB sent | s/step |", "|---|---|---|---|"]
   for mode, rate, kind in rows:
-    sent = kind["wire_bytes"]
-    lines.append(f"| {mode} | {rate} | {'-' if sent is None else f'{sent / 1e6:.3f}'} "
-                 f"| {kind['seconds']:.3f} |")
+    lines.append(f"| {mode} | {rate} | {_megabytes(kind['wire_bytes'])} | {kind['seconds']:.3f} |")
   return lines
+
+
+def _megabytes(value: float | None) -> str:
+  return "-" if value is None else f"{value / 1e6:.3f}"
 
 
 def _gap(entry: dict) -> str:

@@ -72,8 +72,8 @@ def test_derived_seconds_time_each_step_as_its_kind():
       pytest.approx(9 * 1.0 + 2 * 0.5))
 
 
-def _run(records):
-  return {"flags": [], "records": network_lm.training_records(records),
+def _run(records, mode="fp32"):
+  return {"flags": network_lm.MODES[mode][1], "records": network_lm.training_records(records),
           "summary": {"num_params": 1, "eval_loss": 1.0, "compile_seconds": 1.0,
                       "train_seconds": network_lm.seconds_until(records, 10 ** 6)}}
 
@@ -109,9 +109,9 @@ def test_diloco_runs_longer_and_is_compared_with_the_free_link_floor():
   sent = [_ONE_BIT if (i + 1) % 5 == 0 else 0.0 for i in range(2 * steps)]
   diloco = _records([3.0 - 0.05 * i for i in range(2 * steps)], sent, [0.5] * (2 * steps))
   free = {"fp32": _run(_records([1.0] * 6, [_FLOAT32] * 6, [0.5] * 6)),
-          "diloco": _run(_records([1.0] * 10, sent[:10], [0.25] * 10))}
+          "diloco": _run(_records([1.0] * 10, sent[:10], [0.25] * 10), "diloco")}
   report = network_lm.summarize(
-      {"1 Gbit/s": {"fp32": _run(fp32), "diloco": _run(diloco)}, "unthrottled": free},
+      {"1 Gbit/s": {"fp32": _run(fp32), "diloco": _run(diloco, "diloco")}, "unthrottled": free},
       "1 Gbit/s", steps)
   entry = report["modes"]["diloco"]
   assert entry["steps"] == 2 * steps

@@ -56,6 +56,14 @@ def param_shardings(model, device_mesh: jax.sharding.Mesh):
   return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), device_mesh, RULES)
 
 
+def group_processes(device_mesh: jax.sharding.Mesh, axis: str) -> list[list[int]]:
+  """The processes holding each data group's devices, a list a group along ``axis``:
+  ``[[0], [1]]`` where each of 2 processes is a group (``jax.make_mesh`` keeps a process's
+  devices together, its first axis over the processes)."""
+  groups = np.moveaxis(device_mesh.devices, device_mesh.axis_names.index(axis), 0)
+  return [sorted({device.process_index for device in group.flat}) for group in groups]
+
+
 def state_bytes(state: TrainState) -> dict[str, float]:
   """Bytes one device holds of the parameters and of the optimizer's state (its own shards)."""
 

@@ -16,7 +16,8 @@ the text, bytes as tokens (0 to 255); the model reads the first
   evaluation reads the same ones.
 
 Each process takes its own rows of every global batch (``jax.process_index()``),
-and its devices split them further.
+and its devices split them further; under ``hybrid`` parallelism the devices of a
+data group shard the model instead, each reading all of the group's rows.
 """
 
 import functools
@@ -60,13 +61,23 @@ def _corpus(text_seed: int, train_bytes: int, eval_bytes: int) -> Corpus:
   return Corpus(split("train", train_bytes), split("held-out", eval_bytes))
 
 
-def local_batch_size(global_batch_size: int) -> int:
-  """Rows of a global batch that this process feeds to its devices."""
-  if global_batch_size % jax.device_count():
+def batch_shards(config) -> int:
+  """The parts a global batch splits into: one a device, or under ``hybrid`` parallelism one
+  a data group (its devices shard the model, and each reads all of the group's rows)."""
+  if config.parallelism == "hybrid":
+    return jax.device_count() // (config.fsdp_devices * config.tensor_devices)
+  return jax.device_count()
+
+
+def local_batch_size(config) -> int:
+  """Rows of a global batch of ``config.batch_size`` that this process feeds to its devices."""
+  shards = batch_shards(config)
+  if config.batch_size % shards or config.batch_size % jax.process_count():
+    where = "data groups" if config.parallelism == "hybrid" else "devices"
     raise ValueError(
-        f"batch_size {global_batch_size} must be divisible by the {jax.device_count()} devices."
-    )
-  return global_batch_size // jax.process_count()
+        f"batch_size {config.batch_size} must be divisible by the {shards} {where} and the "
+        f"{jax.process_count()} processes.")
+  return config.batch_size // jax.process_count()
 
 
 def train_batches(config, start_step: int = 0) -> Iterator[Batch]:
@@ -76,7 +87,7 @@ def train_batches(config, start_step: int = 0) -> Iterator[Batch]:
   if len(train) < window:
     raise ValueError(f"train_bytes {len(train)} is shorter than one window of "
                      f"context_length + 1 = {window} bytes.")
-  rows = _process_rows(config.batch_size)
+  rows = _process_rows(config)
   step = start_step
   while True:
     starts = np.random.default_rng((config.seed, step)).integers(
@@ -100,7 +111,7 @@ def eval_batches(config, num_batches: int) -> Iterator[Batch]:
   """The first ``num_batches`` batches of held-out windows, the same at every call."""
   held_out = corpus(config).held_out
   window = config.context_length + 1
-  rows = np.arange(config.batch_size)[_process_rows(config.batch_size)]
+  rows = np.arange(config.batch_size)[_process_rows(config)]
   for batch in range(num_batches):
     yield {"tokens": _windows(held_out, (batch * config.batch_size + rows) * window, window)}
 
@@ -129,8 +140,8 @@ def conditional_entropy(data: np.ndarray, order: int) -> float:
   return entropy(range(order + 1)) - (entropy(range(order)) if order else 0.0)
 
 
-def _process_rows(global_batch_size: int) -> slice:
-  size = local_batch_size(global_batch_size)
+def _process_rows(config) -> slice:
+  size = local_batch_size(config)
   return slice(jax.process_index() * size, (jax.process_index() + 1) * size)
 
 

@@ -567,10 +567,11 @@ def hlo_wire_bytes(programs) -> tuple[dict[str, float], dict[str, Any]]:
                    "least": least, "most": max(totals)}
 
 
-def hybrid_metrics(programs, mesh: jax.sharding.Mesh, state: TrainState) -> dict[str, float]:
+def hybrid_metrics(programs, mesh: jax.sharding.Mesh, state: TrainState) -> dict[str, Any]:
   """On a mesh of data groups (``hybrid``): the fewest and most bytes a step sends across the
   data axis (the slow links between groups) and inside a group, read from the compiled
-  programs, and the bytes a device holds of the parameters and of the optimizer's state."""
+  programs, the bytes a device holds of the parameters and of the optimizer's state, and the
+  processes holding each group's devices (``data_group_processes``)."""
   found = {}
   for where in ("across", "inside"):
     least, most = [], []
@@ -582,7 +583,8 @@ def hybrid_metrics(programs, mesh: jax.sharding.Mesh, state: TrainState) -> dict
       most.append(across.most if where == "across" else whole.most - across.most)
     found[f"hlo_{where}_data_bytes_least"] = min(least)
     found[f"hlo_{where}_data_bytes_most"] = max(most)
-  return found | hybrid.state_bytes(state)
+  return (found | hybrid.state_bytes(state)
+          | {"data_group_processes": hybrid.group_processes(mesh, AXIS)})
 
 
 def checkpoint_manager(workdir: pathlib.Path, config):

@@ -81,6 +81,20 @@ def test_eval_batches_tile_the_held_out_text():
   np.testing.assert_array_equal(again, tokens[: config.batch_size])
 
 
+def test_a_hybrid_batch_splits_over_the_data_groups_not_their_devices():
+  config = _config("qsgd4_ef", "hybrid")  # 2 data groups of fsdp 2 x tensor 2 devices.
+  config.batch_size = 2  # A sequence a group, read by each of its 4 devices.
+  assert input_pipeline.local_batch_size(config) == 2  # This process feeds both groups.
+  tokens = next(input_pipeline.train_batches(config))["tokens"]
+  assert tokens.shape == (2, config.context_length + 1)
+  config.batch_size = 3
+  with pytest.raises(ValueError, match="divisible by the 2 data groups"):
+    input_pipeline.local_batch_size(config)
+  config.parallelism, config.batch_size = "shard_map", 2
+  with pytest.raises(ValueError, match="divisible by the 8 devices"):
+    input_pipeline.local_batch_size(config)
+
+
 def test_conditional_entropy_counts_what_the_context_determines():
   alternating = np.array([1, 2] * 500, np.uint8)
   assert input_pipeline.conditional_entropy(alternating, 0) == pytest.approx(math.log(2))
