@@ -107,6 +107,26 @@ def eval_step(state: TrainState, batch, axis: str):
                       (WORKERS, axis))
 
 
+def programs_by_events(config: ml_collections.ConfigDict, state, compile_for: Callable):
+  """``(program_at, programs)``: a program for each kind of step of DiLoCo's schedule.
+
+  ``compile_for(events)`` compiles the step for a :func:`qsgd_jax.diloco_events`;
+  ``program_at(count)`` is the one to run after ``count`` steps, and ``programs``
+  all of them. The loop counts ``state``'s steps, which must be DiLoCo's count.
+  """
+  count = int(state.opt_state.count)
+  if count != int(state.step):
+    raise ValueError(f"The state's step {int(state.step)} is not DiLoCo's count {count}: "
+                     "the programs are chosen by the step.")
+  schedule = dict(sync_every=config.sync_every, fragments=config.fragments,
+                  delay=config.fragment_delay)
+  # Two rounds hold every kind of step (the first round's only fewer).
+  kinds = {qsgd_jax.diloco_events(count, **schedule) for count in range(2 * config.sync_every)}
+  compiled = {events: compile_for(events) for events in kinds}
+  return (lambda count: compiled[qsgd_jax.diloco_events(count, **schedule)],
+          list(compiled.values()))
+
+
 def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTransformation,
                 step: Callable, param_shapes, axis: str):
   """``(init, train_step, eval_step, put_batch, compile_programs)`` of DiLoCo over
@@ -166,17 +186,8 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
                          out_specs=(specs, P())), donate_argnums=(0,))
 
   def compile_programs(state, batch):
-    count = int(state.opt_state.count)  # The loop counts TrainState's steps: the same here.
-    if count != int(state.step):
-      raise ValueError(f"The state's step {int(state.step)} is not DiLoCo's count {count}: "
-                       "the programs are chosen by the step.")
-    schedule = dict(sync_every=config.sync_every, fragments=config.fragments,
-                    delay=config.fragment_delay)
-    # Two rounds hold every kind of step (the first round's only fewer).
-    kinds = {qsgd_jax.diloco_events(count, **schedule) for count in range(2 * config.sync_every)}
-    compiled = {events: train_for(events).lower(state, batch).compile() for events in kinds}
-    return (lambda count: compiled[qsgd_jax.diloco_events(count, **schedule)],
-            list(compiled.values()))
+    return programs_by_events(
+        config, state, lambda events: train_for(events).lower(state, batch).compile())
 
   evaluate = jax.jit(shard(functools.partial(eval_step, axis=axis), in_specs=(specs, P(axes)),
                            out_specs=P()))

@@ -28,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from examples.lm import diloco
 
 MODEL_AXES = ("fsdp", "tensor")
 # Logical axis names of the model's parameters to mesh axes, as Flax lm1b's rules give them.
@@ -130,9 +131,16 @@ def parallelize(config: ml_collections.ConfigDict, model, tx: optax.GradientTran
     return train_step
 
   def compile_programs(state: TrainState, batch):
-    compiled = step.lower(state.params, state.opt_state, batch).compile()
-    train_step = stepped(compiled)
-    return (lambda count: train_step), [compiled]
+    if not (local_update and config.diloco_events_on_host):
+      compiled = step.lower(state.params, state.opt_state, batch).compile()
+      train_step = stepped(compiled)
+      return (lambda count: train_step), [compiled]
+    # DiLoCo with each step's program chosen on the host: a step between syncs has no sync
+    # conditional and no collective of the outer loop.
+    program_at, compiled = diloco.programs_by_events(
+        config, state,
+        lambda events: step.lower(state.params, state.opt_state, batch, events=events).compile())
+    return (lambda count: stepped(program_at(count))), compiled
 
   def eval_step(state: TrainState, batch):
     params = state.opt_state.global_params if local_update else state.params

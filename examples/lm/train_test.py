@@ -104,7 +104,7 @@ def test_conditional_entropy_counts_what_the_context_determines():
 @pytest.mark.parametrize("field, value, allowed", [
     ("optimizer", "lamb", "adamw, onebit_adam, zero_one_adam, diloco"),
     ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit, powersgd"),
-    ("parallelism", "pjit", "pmap, shard_map, jit, fsdp"),
+    ("parallelism", "pjit", "pmap, shard_map, jit, fsdp, hybrid"),
 ])
 def test_unknown_choices_are_errors_that_list_the_allowed_ones(field, value, allowed):
   config = smoke.get_config()
@@ -416,3 +416,21 @@ def test_a_hybrid_mesh_keeps_the_models_layout_and_sends_less_across_the_data_ax
   groups = jax.device_count() // 4
   float32_across = 2 * (groups - 1) / groups * 4 * summary["num_params"] / 4
   assert summary["hlo_across_data_bytes_least"] < float32_across / 3
+
+
+@pytest.mark.slow
+def test_hybrid_diloco_chooses_each_steps_program_on_the_host_with_the_same_bits(tmp_path):
+  """DiLoCo over the data groups of a hybrid mesh, a worker a group, syncs at 3 and 6: the
+  programs chosen on the host (``diloco_events_on_host``) give the bits of the one program
+  that decides each step's kind itself."""
+  config = _config("fp32", "hybrid", "diloco")
+  config.sync_every, config.outer_average, config.checkpoint_every_steps = 3, "qsgd4_ef", 6
+  runs = {}
+  for on_host in (False, True):
+    config.diloco_events_on_host = on_host
+    runs[on_host] = tmp_path / str(on_host)
+    train.train_and_evaluate(config, str(runs[on_host]))
+  in_program, on_host = _checkpoint(runs[False], 6), _checkpoint(runs[True], 6)
+  for got, expected in zip(jax.tree.leaves(on_host), jax.tree.leaves(in_program), strict=True):
+    np.testing.assert_array_equal(got, expected)
+  assert _records_without_timings(runs[True]) == _records_without_timings(runs[False])

@@ -204,18 +204,23 @@ def data_parallel(
           f"data_parallel: axis_name {name!r} is not an axis of the mesh, whose axes are "
           f"{tuple(mesh.axis_names)}.")
   model = model_axes.model_axes(mesh, names)
-  if model and math.prod(mesh.shape[name] for name in names) == 1:
-    raise ValueError(
-        f"data_parallel: the data axes {names} have one device, so there is nothing to average "
-        f"over them, and XLA's partitioner refuses a collective over a manual axis of one "
-        f"device beside the model axes {model}. Train without data parallel (a plain jax.jit "
-        "step over the mesh), or give the data axes more devices.")
+
+  def check_data_devices():
+    # Raised when a program is made, not here: abstract_state serves resize_state on such a
+    # mesh, to resume a run's state on one data group.
+    if model and math.prod(mesh.shape[name] for name in names) == 1:
+      raise ValueError(
+          f"data_parallel: the data axes {names} have one device, so there is nothing to "
+          f"average over them, and XLA's partitioner refuses a collective over a manual axis "
+          f"of one device beside the model axes {model}. Train without data parallel (a plain "
+          "jax.jit step over the mesh), or give the data axes more devices.")
+
   batch_axes = _check_batch_axes(batch_axes, model)
   axis = names if len(names) > 1 else names[0]
   split = P(axis)
   layout = state_layout.StateLayout(optimizer, mesh, names, model)
 
-  def make_init(params, param_specs):
+  def init_program(params, param_specs):
     data_specs, model_specs, _ = layout.specs(params, param_specs)
     init_fn = model_axes.with_model_axes(optimizer.init, model, (param_specs,))
     full = model_axes.full_specs(data_specs, model_specs)
@@ -223,6 +228,7 @@ def data_parallel(
                    out_shardings=_named(mesh, full))
 
   def make_step(params, param_specs, copies: int, local_update: bool, events):
+    check_data_devices()
     data_specs, model_specs, param_axes = layout.specs(params, param_specs)
     # A local-update optimizer's workers lie along param_axes: its params a copy a worker,
     # stacked along a new first dimension there, each copy laid out as the params.
@@ -295,7 +301,11 @@ def data_parallel(
     return jax.tree.map(
         lambda shape, spec: jax.ShapeDtypeStruct(
             shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-        jax.eval_shape(make_init(one_copy, param_specs), params), full)
+        jax.eval_shape(init_program(one_copy, param_specs), params), full)
+
+  def make_init(params, param_specs):
+    check_data_devices()
+    return init_program(params, param_specs)
 
   init = _Programs(make_init, lambda params: specs_of(params)[:2])
   step = _Programs(make_step, specs_of)
