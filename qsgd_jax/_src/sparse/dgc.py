@@ -182,8 +182,8 @@ def scale_by_dgc(
     return treedef.unflatten([jnp.where(finite, o, jnp.nan).astype(u.dtype) for o, u in
                               zip(out, jax.tree.leaves(updates), strict=True)]), ScaleByDGCState(
         count=jnp.where(finite, optax.safe_increment(state.count), state.count),
-        momentum=_kept(finite, moment, state.momentum, axis_name),
-        velocity=_kept(finite, velocity, state.velocity, axis_name),
+        momentum=_kept(finite, moment, state.momentum, axis_name, sparse),
+        velocity=_kept(finite, velocity, state.velocity, axis_name, sparse),
         stats=stats.make(bits, float32_bits, np.nan))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -225,10 +225,11 @@ def _step(grads, state, sparse, dense, compressor, axis_name, parsed, momentum, 
   return out, tuple(moment), tuple(velocity), bits
 
 
-def _kept(finite, new, old, axis_name):
-  """``new`` where the step was finite, else ``old``, each typed as this device's own."""
-  return tuple(axes.as_varying(jnp.where(finite, n, o), axis_name)
-               for n, o in zip(new, old, strict=True))
+def _kept(finite, new, old, axis_name, own):
+  """``new`` where the step was finite, else ``old``; the leaves ``own`` (indices) typed as
+  this device's own, the others (the same on every device) as they are."""
+  kept = [jnp.where(finite, n, o) for n, o in zip(new, old, strict=True)]
+  return tuple(axes.as_varying(x, axis_name) if i in own else x for i, x in enumerate(kept))
 
 
 def dgc(

@@ -127,7 +127,10 @@ def average(compressor: TopK, rows: base.Payload, aggregation: Aggregation) -> j
       count = count + compressor.support(row)
     return (total, count), None
 
+  # Typed as the payloads are (varying over any axis other than the gather's, under shard_map).
   zeros = jnp.zeros(shape, jnp.float32)
+  if names := axes.varying_axes(rows.packed):
+    zeros = axes.as_varying(zeros, names)
   (total, count), _ = jax.lax.scan(add, (zeros, zeros), rows)
   if aggregation == "mean_over_workers":
     return total / n
