@@ -389,6 +389,8 @@ def test_sparseloco_refuses_bad_arguments():
     qsgd_jax.sparseloco_average(AXIS, error_decay=1.5)
   with pytest.raises(ValueError, match="value_bits must be None or one of"):
     qsgd_jax.sparseloco_average(AXIS, value_bits=3)
+  with pytest.raises(ValueError, match="aggregation must be one of"):
+    qsgd_jax.sparseloco_average(AXIS, aggregation="sum")
 
 
 # DGC ------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def sparseloco_average(config: ml_collections.ConfigDict,
                        axis: str) -> optax.GradientTransformation:
   """SparseLoCo's average of the outer gradients (``qsgd_jax.sparseloco_average``):
   ``config.sparseloco_density`` of each 64 x 64 block, 2-bit values, error feedback decaying by
-  ``config.sparseloco_error_decay``."""
+  ``config.sparseloco_error_decay``, averaged as ``config.sparseloco_aggregation`` says."""
   return qsgd_jax.sparseloco_average(
       axis, density=config.sparseloco_density, value_bits=2,
-      error_decay=config.sparseloco_error_decay)
+      error_decay=config.sparseloco_error_decay, aggregation=config.sparseloco_aggregation)

@@ -82,9 +82,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.outer_split = False
   # outer_average sparseloco: the fraction of each 64 x 64 block of each outer gradient sent
   # (Templar's 64 / 4096; the paper's 512M runs 128 / 4096), in 2 bits, and the error
-  # feedback's decay (the paper's 0.95).
+  # feedback's decay (the paper's 0.95), and the average: each element over the workers that
+  # sent it (mean_over_contributors, the code's) or over all (mean_over_workers, the paper's).
   config.sparseloco_density = 64 / 4096
   config.sparseloco_error_decay = 0.95
+  config.sparseloco_aggregation = "mean_over_contributors"
   # Each step's program chosen on the host (qsgd_jax.diloco_events): a step between syncs has no
   # sync conditional and no collective, and an exchange may run beside the forward and backward
   # passes; False: one program of conditionals on the step count serves every step (same bits).

@@ -122,17 +122,17 @@ def dct_matrix(n: int) -> np.ndarray:
 
 def dct(blocks: jax.Array, layout: BlockLayout) -> jax.Array:
   """Each block's 2-d DCT-II, :math:`C_h X C_w^\\top`, in the same flat layout."""
-  h, w = layout.block_rows, layout.block_cols
-  grid = blocks.reshape(-1, h, w)
-  out = jnp.einsum("ij,bjk,lk->bil", dct_matrix(h), grid, dct_matrix(w),
-                   precision=jax.lax.Precision.HIGHEST)
-  return out.reshape(blocks.shape)
+  return _both_sides(blocks, layout, "ij,bjk,lk->bil")
 
 
 def inverse_dct(coefficients: jax.Array, layout: BlockLayout) -> jax.Array:
   """Inverse of :func:`dct`: :math:`C_h^\\top Y C_w` a block."""
+  return _both_sides(coefficients, layout, "ji,bjk,kl->bil")
+
+
+def _both_sides(blocks: jax.Array, layout: BlockLayout, subscripts: str) -> jax.Array:
+  """Each block, as ``h x w``, multiplied by ``C_h`` and ``C_w`` as ``subscripts`` say."""
   h, w = layout.block_rows, layout.block_cols
-  grid = coefficients.reshape(-1, h, w)
-  out = jnp.einsum("ji,bjk,kl->bil", dct_matrix(h), grid, dct_matrix(w),
+  out = jnp.einsum(subscripts, dct_matrix(h), blocks.reshape(-1, h, w), dct_matrix(w),
                    precision=jax.lax.Precision.HIGHEST)
-  return out.reshape(coefficients.shape)
+  return out.reshape(blocks.shape)

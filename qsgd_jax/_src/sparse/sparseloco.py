@@ -44,6 +44,7 @@ def sparseloco_average(
     chunk: int = 64,
     value_bits: int | None = 2,
     error_decay: float = 0.95,
+    aggregation: exchange_lib.Aggregation = "mean_over_contributors",
     matrix_view: blocks_lib.MatrixView | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SparseLoCo's average of DiLoCo's outer gradients, for ``qsgd_jax.diloco(..., average=...)``.
@@ -94,6 +95,10 @@ def sparseloco_average(
     value_bits: 2, 4 or 8 (``2**value_bits`` bins), or ``None`` for float32
       values.
     error_decay: :math:`\beta`, in ``[0, 1]`` (the paper's 512M runs: 0.95).
+    aggregation: ``"mean_over_contributors"`` (``sparseloco.py``'s
+      ``scatter_reduce(mean)``) or ``"mean_over_workers"`` (the paper's
+      :math:`\frac1R \sum_r`: an element one worker of two sent moves half
+      as far).
     matrix_view: ``(path, shape) -> (rows, columns)`` for leaves of two or
       more dimensions.
 
@@ -120,6 +125,7 @@ def sparseloco_average(
     raise ValueError(f"{_OWNER}: error_decay must be in [0, 1], got {error_decay!r}.")
   quantized = {} if value_bits is None else {"value_bits": value_bits, "quantizer": "bin_means"}
   TopK(k=1, **quantized)  # Checks value_bits now.
+  exchange_lib.check_aggregation(aggregation, _OWNER)
   parsed = axes.parse(axis_name, _OWNER)
 
   def codecs(tree):
@@ -144,7 +150,7 @@ def sparseloco_average(
     out = exchange_lib.exchange(
         compressors, [blocks_lib.to_blocks(e, layout) for e, layout in zip(error, layouts,
                                                                            strict=True)],
-        jax.random.key(0), axis_name, "mean_over_contributors", base.all_finite(deltas))
+        jax.random.key(0), axis_name, aggregation, base.all_finite(deltas))
     finite = out.all_finite
     new_error = tuple(
         axes.as_varying(jnp.where(finite, e - blocks_lib.from_blocks(sent, layout), old),
