@@ -47,8 +47,8 @@ class Exchanged(NamedTuple):
 
   Attributes:
     payloads: for each array, this device's payload.
-    sent: for each array, ``float32`` of its blocks' shape: what this device's
-      payload decodes to (what it sent, as every device reads it).
+    sent: for each array, ``float32`` of its shape: what this device's payload
+      decodes to (what it sent, as every device reads it).
     averaged: for each array, the average over the devices of what they sent,
       the same on every device.
     all_finite: ``bool[]``, whether every device's values were finite, the
@@ -64,6 +64,8 @@ class Exchanged(NamedTuple):
 
 
 def check_aggregation(aggregation, owner: str) -> None:
+  """Raises ``ValueError`` naming ``owner`` unless ``aggregation`` is one of
+  :data:`AGGREGATIONS`."""
   if aggregation not in AGGREGATIONS:
     raise ValueError(f"{owner}: aggregation must be one of {AGGREGATIONS}, got "
                      f"{aggregation!r}.")
