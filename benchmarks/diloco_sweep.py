@@ -83,12 +83,20 @@ RUNS = (
     ("steps", DILOCO + "+outer_momentum=0.5" + LONG),
     ("steps", DILOCO + "+outer_learning_rate=0.7+outer_momentum=0.9" + LONG),
     ("steps", DILOCO + "+learning_rate=0.01" + LONG),
+    ("steps", DILOCO + "+outer_average=sparseloco" + LONG),
     ("workers", DILOCO + "+diloco_workers=4"),
     ("workers", DILOCO + "+diloco_workers=8"),
     *(("sync every", f"{DILOCO}+sync_every={every}") for every in (1, 5, 10, 50, 100)),
     *(("outer average", f"{DILOCO}+outer_average={average}") for average in ("fp32", "bf16",
                                                                               "onebit")),
     ("outer average", DILOCO + "+outer_split=True"),  # Each of a worker's devices a quarter.
+    # SparseLoCo: top-k of each worker's error feedback, 2-bit values, at Templar's density
+    # (1.56%) and the paper's 512M runs' (3.1%).
+    ("outer average", DILOCO + "+outer_average=sparseloco"),
+    ("outer average", DILOCO + "+outer_average=sparseloco+sparseloco_density=0.03125"),
+    ("outer average", DILOCO + "+outer_average=sparseloco+sparseloco_error_decay=1.0"),
+    ("outer average",
+     DILOCO + "+outer_average=sparseloco+sparseloco_aggregation=mean_over_workers"),
     *(("streaming", f"{DILOCO}+fragments=2+fragment_delay={delay}") for delay in (1, 2, 3, 5)),
     ("streaming", DILOCO + "+fragments=2+fragment_delay=5+fragment_alpha=0.5"),
     ("streaming", DILOCO + "+fragments=3+fragment_delay=2"),
@@ -111,7 +119,8 @@ RUNS = (
 DATA_PARALLEL = ("fp32", "bf16")
 SETTINGS = ("average", "diloco_workers", "sync_every", "outer_average", "outer_learning_rate",
             "outer_momentum", "outer_nesterov", "outer_split", "fragments", "fragment_delay",
-            "fragment_alpha",
+            "fragment_alpha", "sparseloco_density", "sparseloco_error_decay",
+            "sparseloco_aggregation",
             "learning_rate", "num_train_steps", "warmup_steps", "seed")
 # Config fields that name the mode rather than the model and data: ignored when checking that
 # lm_comparison.json's bf16 run trained the same config.
@@ -245,6 +254,9 @@ def table(runs: list[dict]) -> str:
     diloco = settings["optimizer"] == "diloco"
     fragments = settings["fragments"]
     average = settings["outer_average"] + (", split" if settings["outer_split"] else "")
+    if settings["outer_average"] == "sparseloco":
+      average += (f" {settings['sparseloco_density']:.2%}, decay "
+                  f"{settings['sparseloco_error_decay']:g}, {settings['sparseloco_aggregation']}")
     streaming = (f", {fragments} fragment{'s' if fragments > 1 else ''}, delay "
                  f"{settings['fragment_delay']}"
                  + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")

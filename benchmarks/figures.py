@@ -31,13 +31,16 @@ left out):
   bytes a step before and after the compressed Adams' freeze,
   ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
 
+* ``digits_sparse*.json`` and ``lm_sparse.json`` (``examples/imagenet/compare.py`` and
+  ``examples/lm/compare.py``, the sparse modes): ``headline_sparse.md``, the optimizers guide's
+  table of top-k, DGC and DeMo.
 * ``lm_diloco.json`` (``python benchmarks/diloco_sweep.py``): the DiLoCo table,
   ``headline_diloco.md`` and ``examples/lm/README.md``'s: each run's ``settings``,
   ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``bytes_per_step`` and
   ``fp32_bytes_over_bytes`` and ``bf16_``.
 
-Writes ``benchmarks/results/headline.md``, ``headline_lm.md`` and
-``headline_diloco.md``, the tables between their markers in ``README.md`` and
+Writes ``benchmarks/results/headline.md``, ``headline_lm.md``, ``headline_diloco.md`` and
+``headline_sparse.md``, the tables between their markers in ``README.md`` and
 ``examples/lm/README.md``, and ``benchmarks/results/figures/*.png``.
 """
 
@@ -216,6 +219,8 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
           + (f", alpha {settings['fragment_alpha']:g}" if settings["fragment_alpha"] else "")
           + ")" if settings["fragments"] > 1 or settings["fragment_delay"] else "")
       average = settings["outer_average"] + (", split" if settings.get("outer_split") else "")
+      if settings["outer_average"] == "sparseloco":
+        average += sparseloco_settings(settings)
       cells = [str(settings["diloco_workers"]), every, average, outer]
       name = "DiLoCo" + (f", inner lr {settings['learning_rate']:g}"
                          if settings["learning_rate"] != sweep["config"]["learning_rate"] else "")
@@ -242,6 +247,74 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
       " between syncs), data parallel's (DP) a device's part of the all-reduce over all"
       " devices every step. Held-out loss in nats a byte, against DP trained as many steps.")
   return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def sparse_table(results: pathlib.Path = RESULTS) -> str:
+  """The sparse family's measurements (the optimizers guide, the results page), or ``""``.
+
+  Digits rows from every ``digits_sparse*.json`` (``examples/imagenet/compare.py``'s
+  ``comparison.json``, one file a setting of ``topk_warmup_steps``): the accuracy over the
+  seeds and the bytes a device sends a step, by the optimizer's account (the last step's) and
+  in the compiled program's collectives (BatchNorm's statistics included), against the file's
+  (or the first file's) fp32 run. Language-model rows from ``lm_sparse.json``
+  (``examples/lm/compare.py``'s): the held-out loss and the bytes a step against the fp32 run
+  of as many steps.
+  """
+  lines = []
+  digits_files = sorted(results.glob("digits_sparse*.json"))
+  if digits_files:
+    lines += ["| digits (ResNet-8) | accuracy (range) | bytes a step, last (vs fp32) "
+              "| HLO bytes a step (vs fp32) |", "|---|---|---|---|"]
+    reference = None
+    for path in digits_files:
+      digits = json.loads(path.read_text())
+      fp32 = digits["modes"].get("fp32", reference)
+      reference = reference or fp32
+      warmup = digits["config"].get("topk_warmup_steps", 0)
+      for mode, result in digits["modes"].items():
+        if mode == "fp32" and fp32 is not reference:
+          continue
+        run, spread, base = result["runs"][0], result["eval_accuracy"], fp32["runs"][0]
+        name = mode + (f", warm-up {warmup} steps" if warmup and mode != "fp32" else "")
+        lines.append(
+            f"| {name} | {spread['mean']:.1%} ({spread['min']:.1%}-{spread['max']:.1%}) "
+            f"| {run['wire_bytes_per_step']:,.0f} "
+            f"({base['wire_bytes_per_step'] / run['wire_bytes_per_step']:.1f}x) "
+            f"| {run['hlo_wire_bytes_per_step']:,.0f} "
+            f"({base['hlo_wire_bytes_per_step'] / run['hlo_wire_bytes_per_step']:.1f}x"
+            + (", every branch of the warm-up's switch)" if warmup and mode != "fp32" else ")")
+            + " |")
+    seeds = reference["eval_accuracy"]["runs"]
+    lines += ["", f"ResNet-8 on digits, 8 simulated devices, {seeds} seeds, the mean accuracy "
+              "and its range; one held-out digit is 0.28%. HLO bytes include BatchNorm's "
+              "statistics, 9,450 bytes a step in every mode.", ""]
+  lm = _load(results / "lm_sparse.json")
+  if lm is not None:
+    lines += ["| language model | steps | held-out loss (vs fp32 AdamW) "
+              "| bytes a step (vs fp32 AdamW) |", "|---|---|---|---|"]
+    baselines = {run["steps"]: run for run in lm["runs"] if run["mode"].split("+")[0] == "fp32"}
+    for run in lm["runs"]:
+      base = baselines.get(run["steps"])
+      sent = run["wire_bytes_per_step"] or run["hlo_wire_bytes_per_step"]
+      versus = ("-" if base is None else
+                f"{run['eval_loss'] - base['eval_loss']:+.3f}")
+      ratio = "-" if base is None else f"{base['wire_bytes_per_step'] / sent:.1f}x"
+      lines.append(f"| `{run['mode']}` | {run['steps']} | {run['eval_loss']:.3f} ({versus}) "
+                   f"| {sent:,.0f} ({ratio}) |")
+    lines += ["", "`examples/lm/configs/small.py` on 8 simulated devices, one seed; DeMo"
+              " (`--config.optimizer=demo`) against AdamW after a float32 average, trained as"
+              " long.", ""]
+  return "\n".join(lines)
+
+
+def sparseloco_settings(settings: dict) -> str:
+  """A SparseLoCo run's density, and its decay and average where not the defaults."""
+  text = f" {settings['sparseloco_density']:.2%}"
+  if settings.get("sparseloco_error_decay", 0.95) != 0.95:
+    text += f", decay {settings['sparseloco_error_decay']:g}"
+  if settings.get("sparseloco_aggregation", "mean_over_contributors") != "mean_over_contributors":
+    text += ", mean over workers"
+  return text
 
 
 def network_lm_table(results: pathlib.Path = RESULTS) -> str:
@@ -441,6 +514,7 @@ def main(argv=None) -> int:
   (args.results / "headline_lm.md").write_text(lm)
   (args.results / "network_lm_table.md").write_text(network_lm_table(args.results))
   (args.results / "headline_diloco.md").write_text(diloco_table(args.results))
+  (args.results / "headline_sparse.md").write_text(sparse_table(args.results))
   args.readme.write_text(readme_with_tables(readme, args.results))
   args.lm_readme.write_text(readme_with(diloco_table(args.results), args.lm_readme.read_text(),
                                         DILOCO_BEGIN, DILOCO_END))

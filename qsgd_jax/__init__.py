@@ -1,7 +1,8 @@
 """qsgd_jax: quantized gradient communication for JAX.
 
 Compressors (:class:`QSGD`, :class:`MinMax`, :class:`NearestZeroAlignedMinMax`,
-:class:`NearestAbsMax`, :class:`OneBit`, :class:`Cast`, :class:`Identity`), the
+:class:`NearestAbsMax`, :class:`OneBit`, :class:`Cast`, :class:`Identity`, the sparse
+:class:`TopK`), the
 Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`quantized_psum`, :func:`quantized_pmean`, :func:`quantized_psum_scatter`,
 :func:`quantized_all_gather`, :func:`wire_bytes`), FSDP compressed both ways
@@ -10,8 +11,9 @@ Elias omega codec (:mod:`qsgd_jax.elias`), quantized collectives
 (:func:`qsgd`, :func:`onebit_sgd`, :func:`compressed_allreduce`, :func:`powersgd`,
 :func:`low_precision_decentralized`, :func:`accumulate_gradients`),
 local-update training with a compressed outer exchange (:func:`diloco`: DiLoCo
-and Streaming DiLoCo), optimizers that communicate for themselves
-(:func:`onebit_adam`, :func:`zero_one_adam`),
+and Streaming DiLoCo, SparseLoCo's outer average :func:`sparseloco_average`), optimizers
+that communicate for themselves (:func:`onebit_adam`, :func:`zero_one_adam`, :func:`demo`,
+:func:`dgc`),
 and a ``jax.jit`` training step over a mesh that uses them
 (:func:`data_parallel`).
 For long multi-process runs: :func:`initialize_distributed`, which ends every
@@ -63,6 +65,10 @@ from qsgd_jax._src.fsdp.onebit_state import (
 from qsgd_jax._src.fsdp.shards import FlatShard, fsdp_shard
 from qsgd_jax._src.powersgd.low_rank import attention_matrix_view
 from qsgd_jax._src.powersgd.transform import PowerSGDState, powersgd
+from qsgd_jax._src.sparse.demo import ScaleByDemoState, demo, scale_by_demo
+from qsgd_jax._src.sparse.dgc import ScaleByDGCState, dgc, scale_by_dgc
+from qsgd_jax._src.sparse.sparseloco import SparseLoCoState, sparseloco_average
+from qsgd_jax._src.sparse.topk import TopK
 from qsgd_jax._src.stats import (
     CompressionStats,
     RunStats,
@@ -111,9 +117,13 @@ __all__ = (
     "ProcessWatch",
     "QSGD",
     "RunStats",
+    "ScaleByDGCState",
+    "ScaleByDemoState",
     "ScaleByOneBitAdamState",
     "SharedScaleCompressor",
+    "SparseLoCoState",
     "SplitAverageState",
+    "TopK",
     "ZeroOneAdamState",
     "accumulate_gradients",
     "accumulate_stats",
@@ -125,6 +135,8 @@ __all__ = (
     "compression_stats",
     "consensus_distance",
     "data_parallel",
+    "demo",
+    "dgc",
     "diloco",
     "diloco_events",
     "elias",
@@ -148,8 +160,11 @@ __all__ = (
     "quantized_psum_scatter",
     "resize",
     "resize_state",
+    "scale_by_demo",
+    "scale_by_dgc",
     "scale_by_fsdp_onebit_adam",
     "scale_by_onebit_adam",
+    "sparseloco_average",
     "state_partition_specs",
     "wire_bytes",
     "wire_bytes_by_branch",

@@ -44,7 +44,7 @@ from examples.imagenet import input_pipeline, models
 
 AXIS = "batch"
 COMPRESSIONS = ("fp32", "bf16", "qsgd4", "qsgd8", "minmax8", "onebit", "powersgd",
-                "decentralized8")
+                "decentralized8", "topk_ef", "dgc")
 PARALLELISMS = ("pmap", "shard_map", "jit")
 
 
@@ -113,6 +113,12 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
     case "powersgd":
       return qsgd_jax.powersgd(AXIS, rank=config.powersgd_rank,
                                start_iter=config.powersgd_start_iter, seed=config.seed)
+    case "topk_ef":
+      topk = qsgd_jax.TopK(density=config.topk_density, chunk=config.topk_chunk,
+                           value_bits=config.topk_value_bits or None)
+      return qsgd_jax.compressed_allreduce(topk, AXIS, key=config.seed, error_feedback=True,
+                                           min_compressed_size=config.topk_min_compressed_size,
+                                           warmup_steps=config.topk_warmup_steps)
   raise ValueError(f"No all-reduce for compression {config.compression!r}.")
 
 
@@ -122,7 +128,10 @@ def create_optimizer(config: ml_collections.ConfigDict,
 
   ``decentralized8`` has no all-reduce: every device takes its own SGD step and
   exchanges 8-bit differences of its model with its two ring neighbours, in
-  Bagua's buckets and with Bagua's quantizer (the library's defaults).
+  Bagua's buckets and with Bagua's quantizer (the library's defaults). ``dgc``
+  is Deep Gradient Compression (``qsgd_jax.dgc``): the momentum goes into each
+  device's accumulated velocity, whose top ``config.topk_density`` of each chunk
+  is sent, and the kernels' weight decay with it.
 
   With ``config.skip_nonfinite_steps = k > 0`` the SGD step is wrapped in
   ``optax.apply_if_finite(..., k)``, after the averaging: a NaN or inf on any
@@ -138,6 +147,15 @@ def create_optimizer(config: ml_collections.ConfigDict,
     local_step = optax.apply_if_finite(local_step, config.skip_nonfinite_steps)
   if config.compression == "decentralized8":
     return qsgd_jax.low_precision_decentralized(local_step, AXIS, key=config.seed)
+  if config.compression == "dgc":
+    # The paper's warm-up, each stage a quarter of the last one's density, down to the target.
+    stages = [0.25 / 4**k for k in range(4) if 0.25 / 4**k > config.topk_density]
+    return qsgd_jax.dgc(learning_rate_fn, AXIS, density=config.topk_density,
+                        chunk=config.topk_chunk, momentum=config.momentum,
+                        nesterov=config.nesterov, weight_decay=config.weight_decay,
+                        mask=is_kernel,
+                        warmup_densities=stages if config.topk_warmup_steps else (),
+                        warmup_steps=config.topk_warmup_steps)
   return optax.chain(gradient_averaging(config), local_step)
 
 

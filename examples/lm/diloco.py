@@ -30,16 +30,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from examples.lm import sparse
 
 WORKERS = "workers"
-OUTER_AVERAGES = ("fp32", "bf16", "qsgd8_ef", "qsgd4_ef", "qsgd2_ef", "onebit")
+OUTER_AVERAGES = ("fp32", "bf16", "qsgd8_ef", "qsgd4_ef", "qsgd2_ef", "onebit", "sparseloco")
 
 
 def outer_average(config: ml_collections.ConfigDict,
                   workers_axis: str = WORKERS) -> optax.GradientTransformation | None:
   """How the outer gradients are averaged over ``workers_axis``, from ``config.outer_average``:
   ``None`` (a float32 ``pmean``) for ``fp32``; error feedback for the quantized ones, so that
-  what a round's rounding misses goes into the next round."""
+  what a round's rounding misses goes into the next round; ``sparseloco``, SparseLoCo's top-k
+  of its error feedback (``sparse.py``), with outer SGD at learning rate 1 and no momentum
+  (the config's defaults) as SparseLoCo steps."""
   options = dict(key=config.seed, min_compressed_size=config.min_compressed_size)
   match config.outer_average:
     case "fp32":
@@ -52,6 +55,8 @@ def outer_average(config: ml_collections.ConfigDict,
                            bucket_size=config.bucket_size, **options)
     case "onebit":
       return qsgd_jax.onebit_sgd(workers_axis, bucket_size=config.bucket_size, **options)
+    case "sparseloco":
+      return sparse.sparseloco_average(config, workers_axis)
   raise ValueError(f"config.outer_average must be one of {', '.join(OUTER_AVERAGES)}; got "
                    f"{config.outer_average!r}.")
 

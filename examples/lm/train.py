@@ -45,10 +45,10 @@ from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
 from examples.lm import diloco as diloco_lib
-from examples.lm import fsdp, hybrid, input_pipeline, models
+from examples.lm import fsdp, hybrid, input_pipeline, models, sparse
 
 AXIS = "batch"
-AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit", "powersgd")
+AVERAGES = ("fp32", "bf16", "qsgd4", "qsgd8", "qsgd4_ef", "onebit", "powersgd", "topk_ef")
 PARALLELISMS = ("pmap", "shard_map", "jit", "fsdp", "hybrid")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -124,6 +124,8 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> optax.GradientTrans
                                start_iter=config.powersgd_start_iter, seed=config.seed,
                                matrix_view=views[config.powersgd_matrix_view],
                                total_steps=config.num_train_steps)
+    case "topk_ef":
+      return sparse.topk_average(config, AXIS)
   raise ValueError(_not_one_of(config, "average", AVERAGES))
 
 
@@ -228,6 +230,13 @@ def diloco(config: ml_collections.ConfigDict,
   return diloco_lib.optimizer(config, averaged_adamw(config, learning_rate_fn), AXIS)
 
 
+def demo(config: ml_collections.ConfigDict,
+         learning_rate_fn: optax.Schedule) -> optax.GradientTransformation:
+  """DeMo (``sparse.demo``): each device's momentum, its top DCT components all-gathered, a
+  sign step; it averages for itself (``config.average`` does not apply)."""
+  return sparse.demo(config, learning_rate_fn, AXIS, weight_decay_mask)
+
+
 def _freeze_step(config: ml_collections.ConfigDict) -> int | str:
   """``config.freeze_step``: ``"auto"``, or a step (a string from ``--config.freeze_step=60``)."""
   return "auto" if config.freeze_step == "auto" else int(config.freeze_step)
@@ -244,6 +253,7 @@ OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict, optax.Schedule],
     "onebit_adam": onebit_adam,
     "zero_one_adam": zero_one_adam,
     "diloco": diloco,
+    "demo": demo,
 }
 
 

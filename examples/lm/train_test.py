@@ -26,7 +26,8 @@ FSDP_CASE = ("qsgd4", "fsdp")
 # (average, parallelism, optimizer): each average and optimizer once, each parallelism.
 STEP_CASES = (RUN_CASE + ("adamw",), ("bf16", "pmap", "adamw"), ("onebit", "jit", "adamw"),
               ("powersgd", "shard_map", "adamw"), ("fp32", "shard_map", "onebit_adam"),
-              ("fp32", "pmap", "zero_one_adam"))
+              ("fp32", "pmap", "zero_one_adam"), ("topk_ef", "pmap", "adamw"),
+              ("fp32", "shard_map", "demo"))
 TIMINGS = ("steps_per_second", "tokens_per_second", "train_seconds", "wall_seconds")
 
 
@@ -102,8 +103,8 @@ def test_conditional_entropy_counts_what_the_context_determines():
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("optimizer", "lamb", "adamw, onebit_adam, zero_one_adam, diloco"),
-    ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit, powersgd"),
+    ("optimizer", "lamb", "adamw, onebit_adam, zero_one_adam, diloco, demo"),
+    ("average", "qsgd2", "fp32, bf16, qsgd4, qsgd8, qsgd4_ef, onebit, powersgd, topk_ef"),
     ("parallelism", "pjit", "pmap, shard_map, jit, fsdp, hybrid"),
 ])
 def test_unknown_choices_are_errors_that_list_the_allowed_ones(field, value, allowed):
@@ -329,11 +330,12 @@ def test_a_resumed_diloco_run_equals_an_uninterrupted_one(tmp_path):
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
 
 
-def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
+@pytest.mark.parametrize("outer_average", ["qsgd4_ef", "sparseloco"])
+def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path, outer_average):
   """``--config.optimizer=diloco``: 2 workers of 4 devices, a sync every 3 steps of 6, the
-  outer gradients in 4 bits with error feedback."""
+  outer gradients in 4 bits with error feedback, or SparseLoCo's top-k in 2 bits."""
   config = _config("fp32", "shard_map", "diloco")
-  config.diloco_workers, config.sync_every, config.outer_average = 2, 3, "qsgd4_ef"
+  config.diloco_workers, config.sync_every, config.outer_average = 2, 3, outer_average
   config.checkpoint_every_steps = 0
   summary = train.train_and_evaluate(config, str(tmp_path))
 
@@ -344,7 +346,7 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path):
   assert math.isfinite(summary["eval_loss"])
   sent = [r["wire_bytes"] for r in train_records]
   assert [s > 0 for s in sent] == [False, False, True] * 2, sent
-  # 4 bits and a scale a coordinate against a float32 all-reduce's 2 (n - 1) / n * 32 bits.
+  # At most 4 bits and a scale a coordinate against a float32 all-reduce's 2 (n - 1) / n * 32.
   assert 0 < sent[2] < summary["fp32_allreduce_bytes_per_step"] / 6
   assert summary["mean_wire_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
   # The baseline is float32 data parallel's: a float32 all-reduce over all 8 devices, every

@@ -60,6 +60,11 @@ class Compressor(abc.ABC):
   Attributes:
     unbiased: whether ``E[decode(encode(key, x))] = x`` over keys.
     deterministic: whether ``encode`` ignores ``key``.
+    gather_only: whether its payloads can only be all-gathered, each decoded
+      on its own: a sparse payload (:class:`~qsgd_jax.TopK`) holds other
+      coordinates on every device, so codes cannot be added and a sum
+      re-encoded would be sparsified a second time. The reductions that sum
+      payloads refuse it.
 
   Examples:
     >>> import jax, jax.numpy as jnp, qsgd_jax
@@ -73,6 +78,7 @@ class Compressor(abc.ABC):
 
   unbiased: bool = False
   deterministic: bool = False
+  gather_only: bool = False
 
   @abc.abstractmethod
   def encode(self, key: jax.Array, x: jax.Array) -> Payload:

@@ -44,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   # many such steps in a row (optax.apply_if_finite after the gradient averaging).
   config.skip_nonfinite_steps = 0
 
-  # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, powersgd, decentralized8.
+  # One of fp32, bf16, qsgd4, qsgd8, minmax8, onebit, powersgd, decentralized8, topk_ef, dgc.
   config.compression = "qsgd4"
   config.bucket_size = 512  # Coordinates sharing a scale (QSGD, 1-bit SGD).
   config.min_compressed_size = 4096  # Smaller leaves (biases, norms) go in float32.
@@ -55,6 +55,17 @@ def get_config() -> ml_collections.ConfigDict:
   # before it starts (PyTorch's default; it suggests about 10% of the steps).
   config.powersgd_rank = 4
   config.powersgd_start_iter = 1000
+  # topk_ef (top-k with error feedback, then the SGD step) and dgc (Deep Gradient
+  # Compression's momentum SGD): the fraction of each chunk of topk_chunk sent, and for topk_ef
+  # the values' bits (0: float32) and the smallest leaf it sparsifies (0: every leaf; at a
+  # density of 1% a float32 bias costs as much as a hundred times its size in sparse kernel).
+  config.topk_density = 0.01
+  config.topk_chunk = 512
+  config.topk_value_bits = 4
+  config.topk_min_compressed_size = 0
+  # The warm-up: topk_ef's first steps averaged in float32, or the steps of each stage of
+  # DGC's warm-up (densities 25%, 6.25%, 1.56%, ... above topk_density, the paper's).
+  config.topk_warmup_steps = 0
   config.parallelism = "shard_map"  # Or pmap, or jit (qsgd_jax.data_parallel).
   config.seed = 0
   return config

@@ -48,6 +48,21 @@ def get_config() -> ml_collections.ConfigDict:
   # qsgd*: every this many steps, the size Elias coding would give the payloads; 0: never.
   config.track_elias = 0
   config.parallelism = "shard_map"  # Or pmap, jit (qsgd_jax.data_parallel), fsdp, hybrid.
+  # topk_ef: the fraction of each chunk of topk_chunk elements sent, values in topk_value_bits
+  # (0: float32), what is not sent kept for the next step (examples/lm/sparse.py).
+  config.topk_density = 0.01
+  config.topk_chunk = 1024
+  config.topk_value_bits = 0
+
+  # demo (optimizer): DeMo's coefficients kept of each demo_chunk x demo_chunk block of each
+  # kernel's DCT (demo.py's compression_topk, compression_chunk), its momentum's decay
+  # (compression_decay), the values' dtype on the wire, and its decoupled weight decay (0 in
+  # the paper's runs). Its learning rate is config.learning_rate's schedule.
+  config.demo_chunk = 64
+  config.demo_k = 16
+  config.demo_decay = 0.999
+  config.demo_value_dtype = "float32"
+  config.demo_weight_decay = 0.0
 
   # diloco (examples/lm/diloco.py): the devices form this many workers, each training
   # data-parallel (config.average inside it) and syncing every sync_every steps: each fragment's
@@ -65,6 +80,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Each of a worker's devices exchanges 1 / (devices a worker) of the outer gradient across
   # workers, then the worker gathers the parts (qsgd_jax.diloco's split_axis).
   config.outer_split = False
+  # outer_average sparseloco: the fraction of each 64 x 64 block of each outer gradient sent
+  # (Templar's 64 / 4096; the paper's 512M runs 128 / 4096), in 2 bits, and the error
+  # feedback's decay (the paper's 0.95), and the average: each element over the workers that
+  # sent it (mean_over_contributors, the code's) or over all (mean_over_workers, the paper's).
+  config.sparseloco_density = 64 / 4096
+  config.sparseloco_error_decay = 0.95
+  config.sparseloco_aggregation = "mean_over_contributors"
   # Each step's program chosen on the host (qsgd_jax.diloco_events): a step between syncs has no
   # sync conditional and no collective, and an exchange may run beside the forward and backward
   # passes; False: one program of conditionals on the step count serves every step (the same

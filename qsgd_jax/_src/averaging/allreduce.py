@@ -64,7 +64,7 @@ def compressed_allreduce(
     key: jax.Array | int = 0,
     error_feedback: ErrorFeedback = False,
     warmup_steps: int = 0,
-    method: plan.Method = "two_phase",
+    method: plan.Method | None = None,
     min_compressed_size: int = plan.DEFAULT_MIN_COMPRESSED_SIZE,
     axis_size: int | dict[str, int] | None = None,
     track_elias: bool | int = False,
@@ -155,7 +155,9 @@ def compressed_allreduce(
     warmup_steps: the first steps all-reduce in full precision (as CNTK,
       DeepSpeed's 1-bit Adam and Bagua's QAdam do).
     method: ``"two_phase"``, ``"psum"`` or ``"all_gather"``, see
-      :func:`~qsgd_jax.quantized_psum`.
+      :func:`~qsgd_jax.quantized_psum`; ``None`` (the default) is
+      ``"two_phase"``, or ``"all_gather"`` for a compressor whose payloads
+      cannot be summed (``gather_only``: :class:`~qsgd_jax.TopK`).
     min_compressed_size: leaves with fewer elements go in full precision.
     axis_size: the size of ``axis_name`` (an int, or a dict for several
       axes). Only the residuals' shapes need it (owner error feedback, and
@@ -204,6 +206,8 @@ def compressed_allreduce(
     )
   if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
     raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}.")
+  if method is None:
+    method = "all_gather" if getattr(compressor, "gather_only", False) else "two_phase"
   plan.check_method(method, "compressed_allreduce")
   worker_feedback = error_feedback in (True, "worker", "both")
   owner_feedback = error_feedback in ("owner", "both")

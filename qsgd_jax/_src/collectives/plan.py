@@ -545,6 +545,12 @@ def make_plan(
     raise ValueError(
         f"{owner}: min_compressed_size must be a non-negative int (elements), got "
         f"{min_compressed_size!r}.")
+  if compressor.gather_only and method in ("two_phase", "psum", REDUCE_SCATTER):
+    raise ValueError(
+        f"{owner}: {compressor!r} sends sparse payloads, which a {method!r} reduction would "
+        "add up and re-encode (sparsifying the sum a second time); they can only be "
+        "all-gathered and decoded one by one. Use method='all_gather' (compressed_allreduce's "
+        "default for it), or a dense compressor here.")
   if method == "psum" and not isinstance(compressor, base.SharedScaleCompressor):
     raise ValueError(
         f"{owner}: method='psum' needs a compressor with a shared-scale form (QSGD or "

@@ -17,6 +17,9 @@ from qsgd_jax._src.diloco.fragment import DelayedFragmentState
 from qsgd_jax._src.diloco.transform import DiLoCoState
 from qsgd_jax._src.fsdp.onebit_state import FSDPOneBitErrorState
 from qsgd_jax._src.powersgd.transform import PowerSGDState
+from qsgd_jax._src.sparse.demo import ScaleByDemoState
+from qsgd_jax._src.sparse.dgc import ScaleByDGCState
+from qsgd_jax._src.sparse.sparseloco import SparseLoCoState
 
 # The fields every instance has, whatever the parameters and options: a Flax
 # NNX State drops empty tuples, so a state's other fields may be missing there.
@@ -32,6 +35,9 @@ _ALWAYS_PRESENT = {
     ZeroOneAdamState: ("count", "worker_error", "server_error", "variance_interval",
                        "local_interval", "learning_rate_sum", "freeze_count", "stats"),
     PowerSGDState: ("key", "count", "stats"),
+    ScaleByDemoState: ("count", "momentum", "stats"),
+    ScaleByDGCState: ("count", "momentum", "velocity", "stats"),
+    SparseLoCoState: ("error", "stats"),
     optax.MultiStepsState: ("mini_step", "gradient_step", "acc_grads"),
 }
 
@@ -64,6 +70,12 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
   * In a :class:`~qsgd_jax.PowerSGDState` each device's error lies along
     ``axis_name``; the key, the count, the P and Q memories (the same on
     every device: they come from all-reduces) and the stats are replicated.
+  * In a :class:`~qsgd_jax.ScaleByDemoState` (:func:`~qsgd_jax.demo`) each
+    device's momentum, and in a :class:`~qsgd_jax.SparseLoCoState` each
+    device's error feedback, lie along ``axis_name``; in a
+    :class:`~qsgd_jax.ScaleByDGCState` (:func:`~qsgd_jax.dgc`) the momenta
+    and velocities of the leaves it compresses (two or more dimensions) do,
+    the others' are replicated; counts and stats are replicated.
   * In a :class:`~qsgd_jax.DiLoCoState` (:func:`~qsgd_jax.diloco`, with
     ``axis_name`` its workers' axis) each worker's own arrays lie along
     ``axis_name``: its inner optimizer's state (every leaf stored with a
@@ -166,6 +178,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
     return jax.tree.map(lambda spec: along_axis if spec == replicated else spec, over_devices,
                         is_leaf=lambda node: isinstance(node, PartitionSpec))
 
+  def compressed_by_dgc(tree):
+    return jax.tree.map(lambda leaf: along_axis if len(leaf.shape) > 1 else replicated, tree)
+
   field_specs = {
       AccumulationState: dict(
           mini_step=all_leaves(replicated), accumulated=all_leaves(along_axis),
@@ -188,6 +203,9 @@ def state_partition_specs(opt_state, axis_name: axes.AxisName,
           key=all_leaves(replicated), count=all_leaves(replicated),
           error=all_leaves(along_axis), q_memory=all_leaves(replicated),
           p_memory=all_leaves(replicated), stats=all_leaves(replicated)),
+      ScaleByDemoState: dict(momentum=all_leaves(along_axis)),
+      ScaleByDGCState: dict(momentum=compressed_by_dgc, velocity=compressed_by_dgc),
+      SparseLoCoState: dict(error=all_leaves(along_axis)),
   }
 
   def per_device_gradients(tree):

@@ -1,0 +1,1 @@
+"""Sparse compression: top-k with error feedback, DGC, DeMo and SparseLoCo."""
