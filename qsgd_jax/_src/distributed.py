@@ -367,9 +367,12 @@ class ProcessWatch:
       for index, peer in sorted(self._peers.items()):
         if _failed(peer.value):
           return f"process {index} failed ({peer.value.removeprefix(_FAILED)})"
+      # A peer's silence counts to the last read of the service: while the service does not
+      # answer, the peers' heartbeats cannot be seen, and the service is what is lost.
       for index, peer in sorted(self._peers.items()):
-        if not _settled(peer.value) and now - peer.changed > self.failure_timeout:
-          return f"lost process {index}: no heartbeat for {now - peer.changed:.1f} s"
+        silence = self._last_reply - peer.changed
+        if not _settled(peer.value) and silence > self.failure_timeout:
+          return f"lost process {index}: no heartbeat for {silence:.1f} s"
     return None
 
 
