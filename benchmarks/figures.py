@@ -1,7 +1,7 @@
-"""The README's headline table and the site's figures, from the results files the benchmarks write.
+"""The README's table, the results page's tables and figures, from the files benchmarks write.
 
   python benchmarks/figures.py            # all of it; then bash scripts/docs.sh shows it
-  python benchmarks/figures.py --check    # exit 1 if README.md's table is not what the files say
+  python benchmarks/figures.py --check    # exit 1 if the READMEs' tables are not what the files say
 
 Nothing here is typed in by hand: every number comes from one of these files
 under ``benchmarks/results/`` (each optional; what a missing file would give is
@@ -22,7 +22,7 @@ left out):
   ``max`` over ``runs`` seeds), and the accuracy-against-bits figure with
   ``modes[MODE].runs[0].compression_ratio``.
 * ``lm_comparison.json`` (``examples/lm/compare.py``'s ``comparison.json``,
-  copied): the README's second table, the language model with Adam(W): each run's
+  copied): the results page's second table, the language model with Adam(W): each run's
   ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``wire_bytes_per_step``
   and ``freeze_step``.
 * ``network_2proc_lm.json`` (``python benchmarks/network.py --parts lm``): the
@@ -39,6 +39,10 @@ left out):
   ``eval_loss``, ``eval_loss_minus_fp32`` and ``_bf16``, ``bytes_per_step`` and
   ``fp32_bytes_over_bytes`` and ``bf16_``.
 
+The README's table (:func:`front_page_table`) takes a row a family from these
+files (and ``lm_hybrid.json``, ``examples/lm/compare.py --config.parallelism=hybrid``'s),
+and the seconds where ``network_2proc_lm*.json`` ran the same method.
+
 Writes ``benchmarks/results/headline.md``, ``headline_lm.md``, ``headline_diloco.md`` and
 ``headline_sparse.md``, the tables between their markers in ``README.md`` and
 ``examples/lm/README.md``, and ``benchmarks/results/figures/*.png``.
@@ -53,11 +57,6 @@ import sys
 _HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = _HERE / "results"
 README = _HERE.parent / "README.md"
-BEGIN = "<!-- The headline table: made by python benchmarks/figures.py from benchmarks/results. -->"
-END = "<!-- End of the headline table. -->"
-LM_BEGIN = ("<!-- The language-model table: made by python benchmarks/figures.py from"
-            " benchmarks/results. -->")
-LM_END = "<!-- End of the language-model table. -->"
 LM_README = _HERE.parent / "examples" / "lm" / "README.md"
 DILOCO_BEGIN = ("<!-- The DiLoCo table: made by python benchmarks/figures.py from"
                 " benchmarks/results. -->")
@@ -134,7 +133,7 @@ def _order(rows: dict[str, dict], columns: list[str]) -> list[str]:
 
 
 def headline_table(results: pathlib.Path = RESULTS) -> str:
-  """The markdown table of the README, with the lines that say what its columns are."""
+  """The results page's headline table, with the lines that say what its columns are."""
   columns, rows = headline_rows(results)
   lines = ["| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
   for name in _order(rows, columns):
@@ -155,7 +154,7 @@ def headline_table(results: pathlib.Path = RESULTS) -> str:
 
 
 def lm_table(results: pathlib.Path = RESULTS) -> str:
-  """The README's table of the language model trained with Adam(W), or ``""`` without results.
+  """The results page's table of the language model trained with Adam(W), or ``""``.
 
   From ``lm_comparison.json`` (``examples/lm/compare.py``'s ``comparison.json``): a
   row a run, its held-out loss against the ``fp32`` and ``bf16`` runs', and the bytes a
@@ -347,15 +346,109 @@ def network_lm_table(results: pathlib.Path = RESULTS) -> str:
   return "\n".join(lines) + "\n"
 
 
-def readme_with(table: str, readme: str, begin: str = BEGIN, end: str = END) -> str:
+# The front page's rows: (family, what runs, results file, mode or run, network file, its
+# mode). Each compares a run with the float32 and bf16 runs of the same file.
+FRONT_ROWS = (
+    ("element-wise: 4-bit QSGD", "`qsgd(axis, bits=4)`, ResNet-8 on digits", "digits_comparison",
+     "qsgd4", None, None),
+    ("element-wise: 1-bit SGD", "`onebit_sgd(axis)`, ResNet-8 on digits", "digits_comparison",
+     "onebit", None, None),
+    ("sparse: top-k 1%", "`compressed_allreduce(TopK(0.01), axis, error_feedback=True)`, digits",
+     "digits_sparse", "topk_ef", None, None),
+    ("compressed Adam", "`onebit_adam(lr, axis)`, byte-level GPT", "lm_comparison",
+     "onebit_adam", None, None),
+    ("low rank", "`powersgd(axis, rank=16)` before AdamW, GPT", "lm_comparison",
+     "powersgd+powersgd_rank=16+powersgd_matrix_view=last_axis", None, None),
+    ("model sharded too", "`data_parallel(..., axis_name=\"data\")` on data x fsdp x tensor,"
+     " `qsgd(\"data\", bits=4, error_feedback=True)`, GPT", "lm_hybrid", "qsgd4_ef",
+     "network_2proc_lm_hybrid", "qsgd4_ef"),
+    ("local updates: DiLoCo", "`diloco(adamw, axis, sync_every=20)`, 4-bit outer average, GPT",
+     "lm_diloco", "diloco+fp32", "network_2proc_lm_diloco", "diloco"),
+    ("local updates: SparseLoCo", "`diloco(..., average=sparseloco_average(axis))`, GPT",
+     "lm_diloco", "diloco+fp32+outer_average=sparseloco", None, None),
+)
+FRONT_BEGIN = ("<!-- The front page's table: made by python benchmarks/figures.py from"
+               " benchmarks/results. -->")
+FRONT_END = "<!-- End of the front page's table. -->"
+FRONT_RATE = "100 Mbit/s"
+
+
+def _front_cells(results: pathlib.Path, name: str, mode: str) -> tuple[str, str] | None:
+  """``(bytes, quality)`` cells of ``mode``'s run in ``name``.json against its fp32 and bf16
+  runs, or ``None`` where the file or the run is missing."""
+  report = _load(results / f"{name}.json")
+  if report is None:
+    return None
+  if "modes" in report:  # examples/imagenet/compare.py: accuracy over seeds.
+    modes = report["modes"]
+    reference = _load(results / "digits_comparison.json")["modes"] if "fp32" not in modes \
+        or "bf16" not in modes else modes
+    if mode not in modes:
+      return None
+    sent = {m: r["runs"][0]["wire_bytes_per_step"]
+            for m, r in {**reference, **modes}.items()}
+    accuracy = {m: r["eval_accuracy"]["mean"] for m, r in {**reference, **modes}.items()}
+    difference = " / ".join(f"{100 * (accuracy[mode] - accuracy[b]):+.1f}" for b in BASELINES)
+    return (f"{_ratio(sent, 'fp32', sent[mode])} / {_ratio(sent, 'bf16', sent[mode])}",
+            f"{accuracy[mode]:.1%} accuracy ({difference} points)")
+  runs = {run["mode"]: run for run in report["runs"]}
+  if mode not in runs:
+    return None
+  run = runs[mode]
+  if "bytes_per_step" in run:  # The DiLoCo sweep: across workers, against data parallel.
+    ratios = [run[f"{b}_bytes_over_bytes"] for b in BASELINES]
+  elif "hlo_across_data_bytes_least" in run:  # A hybrid mesh: across the data axis.
+    across = {m: r["hlo_across_data_bytes_least"] for m, r in runs.items()}
+    ratios = [across[b] / across[mode] for b in BASELINES]
+  else:
+    sent = {m: r["wire_bytes_per_step"] or r["hlo_wire_bytes_per_step"] for m, r in runs.items()}
+    ratios = [sent[b] / sent[mode] for b in BASELINES]
+  difference = " / ".join(f"{run[f'eval_loss_minus_{b}']:+.3f}" for b in BASELINES)
+  return (" / ".join(_times(r) for r in ratios),
+          f"{run['eval_loss']:.3f} nats a byte ({difference}), {run['steps']} steps")
+
+
+def _front_seconds(results: pathlib.Path, name: str | None, mode: str | None) -> str:
+  report = None if name is None else _load(results / f"{name}.json")
+  if report is None:
+    return "-"
+  lm = report.get("lm") or report.get("lm_hybrid")
+  entry = lm["modes"].get(mode, {}).get("rates", {}).get(FRONT_RATE, {})
+  if entry.get("speedup_vs_fp32") is None:
+    return "-"
+  return f"{entry['speedup_vs_fp32']:.1f}x / {entry['speedup_vs_bf16']:.1f}x"
+
+
+def front_page_table(results: pathlib.Path = RESULTS) -> str:
+  """The README's table: one measured row a family, each with the figures that say what it
+  buys and what it costs against float32 and bf16 on the same workload."""
+  lines = ["| family | what ran | fewer bytes than fp32 / bf16 | quality (vs fp32 / bf16) "
+           f"| sooner to fp32's loss at {FRONT_RATE} (vs fp32 / bf16) |", "|---" * 5 + "|"]
+  for family, ran, name, mode, network, network_mode in FRONT_ROWS:
+    cells = _front_cells(results, name, mode)
+    if cells is not None:
+      lines.append(f"| {family} | {ran} | {cells[0]} | {cells[1]} "
+                   f"| {_front_seconds(results, network, network_mode)} |")
+  note = (
+      "Bytes: what a device sends a step (DiLoCo's and SparseLoCo's across workers, averaged"
+      " over the run; on the sharded model's mesh, across the data axis), against float32 and"
+      " bf16 data parallel on the same workload. Digits: 8 simulated devices, three seeds'"
+      " mean; GPT: `examples/lm/configs/small.py`, 8 simulated devices, one seed. Seconds: the"
+      " same method on `examples/lm/configs/network.py`, 2 real processes joined by a"
+      " rate-limited link (`benchmarks/network.py`), one run each on a shared 2-core CPU"
+      " machine, none on GPUs. [Results](docs/results.md) has every run, its caveats and its"
+      " command.")
+  return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def readme_with(table: str, readme: str, begin: str, end: str) -> str:
   start, stop = readme.index(begin) + len(begin), readme.index(end)
   return readme[:start] + "\n" + table + readme[stop:]
 
 
 def readme_with_tables(readme: str, results: pathlib.Path) -> str:
-  """``readme`` with both tables as the results files give them."""
-  readme = readme_with(headline_table(results), readme)
-  return readme_with(lm_table(results), readme, LM_BEGIN, LM_END)
+  """``readme`` with its table as the results files give it."""
+  return readme_with(front_page_table(results), readme, FRONT_BEGIN, FRONT_END)
 
 
 # Figures ---------------------------------------------------------------------
