@@ -97,6 +97,7 @@ def _pmap_run(wrapper):
   return params, state, all_updates, counts, len(runs), step.as_text()
 
 
+@pytest.mark.slow
 def test_pmap_matches_multi_steps():
   params, state, updates, _, _, _ = _pmap_run("accumulate_gradients")
   multi_params, multi_state, multi_updates, _, _, _ = _pmap_run("multi_steps")
@@ -180,6 +181,7 @@ def test_compiled_collectives_run_only_inside_the_conditional():
   assert qsgd_jax.collectives_in_hlo("\n".join(multi_entry))
 
 
+@pytest.mark.slow
 def test_shard_map_matches_pmap():
   tx = _optimizer("accumulate_gradients", [])
   mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,))

@@ -66,6 +66,7 @@ def test_slow_kernels_lose_on_nvlink():
           > cost_model.allreduce_seconds(fp32, nvlink, 8, coordinates))
 
 
+@pytest.mark.slow
 def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys):
   accelerator = _load("accelerator")
   monkeypatch.setattr(accelerator, "COMPRESSORS",
@@ -107,6 +108,7 @@ def test_accelerator_benchmark_runs_at_tiny_sizes(tmp_path, monkeypatch, capsys)
   assert all(row["passed"] for row in report["checks"].values())
 
 
+@pytest.mark.slow
 def test_step_profile_names_each_modes_kernels_by_their_jax_operation(tmp_path):
   step_profile = _load("step_profile")
   step_profile.main(["--small", "--modes", "powersgd", "diloco", "--repeats", "1",
@@ -122,6 +124,7 @@ def test_step_profile_names_each_modes_kernels_by_their_jax_operation(tmp_path):
   assert not any(op.startswith(("conditional", "while")) for op in powersgd["operations"])
 
 
+@pytest.mark.slow
 def test_orthogonalize_benchmark_measures_every_way_on_gpt2s_factors(tmp_path):
   orthogonalize = _load("orthogonalize")
   orthogonalize.main(["--small", "--repeats", "1", "--out", str(tmp_path / "o.json")])

@@ -618,6 +618,7 @@ def _resnet50_gradient_shapes():
      (qsgd_jax.MinMax(bits=8), 3.8), (qsgd_jax.OneBit(), 16.0)],
     ids=["qsgd4", "qsgd8", "minmax8", "onebit"],
 )
+@pytest.mark.slow
 def test_resnet50_two_phase_sends_fewer_bytes_than_float32_pmean(compressor, at_least):
   """Bytes a device sends, from the HLO, against a float32 pmean of the same tree.
 

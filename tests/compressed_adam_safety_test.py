@@ -61,6 +61,7 @@ def _run(tx, params, steps_grads):
                                    min_compressed_size=0, var_update_scaler=1,
                                    local_step_scaler=2, local_step_clipper=4),
 ], ids=["onebit_adam", "onebit_adam_auto", "zero_one_adam"])
+@pytest.mark.slow
 def test_rows_without_a_gradient_move_no_further_than_under_adamw(make):
   params, steps_grads = _embedding_grads(steps=16)
   p, _ = _run(make(), params, steps_grads)
@@ -104,6 +105,7 @@ def test_fsdp_onebit_adam_keeps_rows_without_a_gradient_in_place():
                                    local_step_clipper=2),
     lambda: qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=4, min_compressed_size=0),
 ], ids=["zero_one_adam", "zero_one_adam_local_steps", "onebit_adam"])
+@pytest.mark.slow
 def test_half_precision_parameters(make, dtype):
   tx = make()
   rng = np.random.default_rng(1)
@@ -138,6 +140,7 @@ def _zero_at(zero_counts):
                                       local_step_clipper=1),
     lambda lr: qsgd_jax.onebit_adam(lr, AXIS, freeze_step=2, min_compressed_size=0),
 ], ids=["zero_one_adam_local_steps", "zero_one_adam", "onebit_adam"])
+@pytest.mark.slow
 def test_a_zero_learning_rate_neither_stores_nan_nor_stalls(make):
   # Counts 0-1 warm up; 0/1 Adam's local interval doubles every frozen step, up to 4, so
   # that counts 3, 4, 6 and 8 synchronize: 4 and 8 after learning rates of zero only.

@@ -90,6 +90,7 @@ def _assert_close_to(p, reference, start, tolerance):
 
 # Its tolerance is float32 rounding of XLA's fused sums, which its other optimization levels
 # round differently.
+@pytest.mark.slow
 @pytest.mark.usefixtures("full_optimizations")
 def test_sign_exchange_is_deepspeeds_compressed_allreduce_with_its_errors():
   rng = np.random.default_rng(1)
@@ -120,6 +121,7 @@ def test_sign_exchange_is_deepspeeds_compressed_allreduce_with_its_errors():
   assert bool(jnp.all(out.all_finite))
 
 
+@pytest.mark.slow
 def test_onebit_adam_is_deepspeeds_step_by_step_under_pmap():
   params, grads = _problem()
   reference = ds.OnebitAdam(params, N, freeze_step=3, weight_decay=0.01,
@@ -169,6 +171,7 @@ def test_deepspeeds_first_call_only_counts_a_step():
     chex.assert_trees_all_close(deepspeed.params, library.params, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("local_step_clipper", [1, 4])
 def test_zero_one_adam_is_deepspeeds_step_by_step(local_step_clipper):
   """Variance intervals doubling, the freeze, then (with a clipper above 1) local steps."""
@@ -189,6 +192,7 @@ def test_zero_one_adam_is_deepspeeds_step_by_step(local_step_clipper):
   assert reference.local_step_interval == min(4, local_step_clipper)
 
 
+@pytest.mark.slow
 def test_warm_up_is_optax_adamw_on_the_mean_gradient():
   """To the last bit but one: XLA fuses the two programs' arithmetic differently."""
   params, grads = _problem(seed=5, steps=3)
@@ -227,6 +231,7 @@ def test_bytes_after_the_freeze_are_a_thirtieth_of_float32():
   assert qsgd_jax.wire_bytes(hlo) == pytest.approx(warm + frozen, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_host_copy_of_the_state_resumes_bit_for_bit():
   params, grads = _problem(seed=7)
   straight = list(_pmap_steps(_onebit()[1], params, grads))
@@ -240,6 +245,7 @@ def test_a_host_copy_of_the_state_resumes_bit_for_bit():
   chex.assert_trees_all_equal(helpers.host_arrays(state), helpers.host_arrays(straight[-1][1]))
 
 
+@pytest.mark.slow
 def test_data_parallel_takes_them_as_they_are():
   mesh = jax.make_mesh((N,), (AXIS,))
   rng = np.random.default_rng(8)
@@ -267,6 +273,7 @@ def test_data_parallel_takes_them_as_they_are():
     assert float(qsgd_jax.compression_stats(state).compression_ratio) > 10
 
 
+@pytest.mark.slow
 def test_auto_freeze_chooses_a_step_once_the_variance_settles():
   params, grads = _problem(seed=9, steps=12)
   tx = qsgd_jax.onebit_adam(1e-3, AXIS, freeze_step="auto", auto_freeze_window=3,

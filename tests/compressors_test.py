@@ -747,6 +747,7 @@ def test_jit_with_static_compressor_vmap_and_no_recompiling(name):
     chex.assert_trees_all_close(round_trip(compressor, KEYS[5], xs[0]), first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [qsgd, minmax, zero_aligned_minmax, onebit, baselines])
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

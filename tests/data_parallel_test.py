@@ -135,6 +135,7 @@ def _train_pmap():
   return jax.tree.map(lambda x: x[0], params), opt_state, losses
 
 
+@pytest.mark.slow
 def test_converted_loop_trains_as_shard_map_by_hand_and_as_pmap():
   params, opt_state, losses = _train_converted()
   assert losses[-1] < losses[0]
@@ -198,6 +199,7 @@ def _aux_loss(params, batch, key):
                                   "examples": jnp.int32(batch[0].shape[0])}
 
 
+@pytest.mark.slow
 def test_aux_extra_arguments_and_donation():
   mesh = _mesh()
   tx = optax.chain(qsgd_jax.qsgd(AXIS, method="psum"), optax.sgd(0.05))
@@ -246,6 +248,7 @@ _MULTI_STEPS_INNER = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_MULTI_STEPS_INNER))
 def test_multi_steps_runs_under_data_parallel_as_under_shard_map_by_hand(name):
   mesh = _mesh()
@@ -370,6 +373,7 @@ _RESTORE_IN_A_FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_orbax_restores_in_a_fresh_process_with_the_abstract_state(tmp_path):
   params, opt_state, _ = _train_converted(2)
   saved = {"params": params, "opt_state": opt_state}

@@ -591,6 +591,7 @@ def test_wire_carries_one_quarter_of_float32_a_neighbour():
   assert _permuted_bytes(_compiled_step_text(4, compressor)) == (received, set())
 
 
+@pytest.mark.slow
 def test_docstring_examples():
   result = doctest.testmod(decentralized, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

@@ -197,6 +197,7 @@ def compressed_run():
   return step, targets, history
 
 
+@pytest.mark.slow
 def test_compressed_average_keeps_its_error_feedback(compressed_run):
   _, _, history = compressed_run
   # Fragment 0 syncs at steps 1 and 5 (offset 2), fragment 1 at steps 3 and 7 (offset 4).
@@ -413,6 +414,7 @@ def test_a_non_finite_worker_is_left_out_of_the_average():
   assert np.all(final["w"][0, 1:] != local["w"][0, 1:])  # Device 0 trains on.
 
 
+@pytest.mark.slow
 def test_the_round_is_skipped_everywhere_when_the_average_is_not_finite():
   """Each worker's outer gradient is finite, 3e38, but their sum overflows: every device
   keeps the global parameters, the outer state and the error feedback, and goes back to the
@@ -523,6 +525,7 @@ def test_replicated_params_under_shard_map_raise():
     jax.jit(run)(example_params(), state)
 
 
+@pytest.mark.slow
 def test_data_parallel_keeps_a_model_a_device_and_matches_shard_map():
   # data_parallel lays the params out by itself: one copy in, a copy a device out (stacked
   # along the workers' axis), the same steps as the hand-laid shard_map run, bit for bit.
@@ -653,6 +656,7 @@ def test_a_delayed_exchange_waits_for_nothing_the_step_computes():
     assert min(inputs) >= num_grads and max(inputs) < num_grads + num_state
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("full_optimizations")
 def test_events_decided_on_the_host_give_the_same_bits():
   # AdamW inside and Nesterov outside, the exchange and the merge one step after the sync:

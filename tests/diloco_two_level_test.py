@@ -151,6 +151,7 @@ def residual_runs():
   return _runs(diloco(inner, "outer", sync_every=2), 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runs", ["split_runs", "residual_runs"])
 def test_two_level_data_parallel_is_the_hand_written_step_bit_for_bit(runs, request):
   by_hand, through_data_parallel = request.getfixturevalue(runs)
@@ -206,6 +207,7 @@ def test_run_stats_count_data_parallel_on_every_device(split_runs):
   assert float(run.outer_compression_ratio) == float(run.outer_float32_bits) / outer
 
 
+@pytest.mark.slow
 def test_split_exchange_draws_its_own_randomness_on_each_device():
   """Every quarter of the outer gradient is the same: the four devices of a worker quantize
   equal parts, and with draws of their own round them differently."""
@@ -235,6 +237,7 @@ def test_state_along_a_workers_devices_raises_saying_how_to_lay_it_out():
     _run_two_level(tx, example_targets(3), 3)
 
 
+@pytest.mark.slow
 def test_split_exchange_is_the_whole_exchange_with_a_quarter_of_the_bytes():
   """Each of a worker's four devices averages a quarter of the outer gradient across the
   workers: the float32 average is bit for bit the whole one's, for a quarter of the bytes."""
@@ -260,6 +263,7 @@ def wire_bits(elements):
   return 2 * (2 - 1) / 2 * 4 * elements * 8
 
 
+@pytest.mark.slow
 def test_split_exchange_keeps_each_devices_part_of_the_error_feedback():
   steps = 6
   targets = example_targets(steps)
@@ -310,6 +314,7 @@ def test_split_axis_must_be_a_workers_devices():
     jax.eval_shape(tx.init, example_params())
 
 
+@pytest.mark.slow
 def test_resize_state_refuses_a_split_exchanges_parts():
   """Each device's SplitAverageState is its part of the outer gradient, cut for the worker's
   device count: resize_state says so rather than giving every device the first one's."""

@@ -246,6 +246,7 @@ def _environment() -> dict[str, str]:
               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
 
 
+@pytest.mark.slow
 def test_survivors_of_a_killed_process_exit_within_15_seconds_naming_it(tmp_path):
   port, ready = _free_port(), tmp_path / "ready"
   ready.mkdir()

@@ -213,6 +213,7 @@ def test_bit_counts_past_the_int32_range_do_not_wrap():
   assert total.dtype == jnp.float32 and float(total) == 2.0**32
 
 
+@pytest.mark.slow
 def test_total_bits_is_encoded_bits_and_qsgd_sizes_count_in_float32():
   levels = jnp.array([0, 0, 3, -1, 0, 7, 0, 0, 0, -2], jnp.int32)
   for variant in _VARIANTS:

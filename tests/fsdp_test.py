@@ -174,6 +174,7 @@ def _odd_gather(shards, forward):
   return jax.tree.map(lambda a: a[None], params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, most", [(8, 8.5), (4, 4.5)])
 def test_gather_sends_at_most_half_a_bit_more_a_coordinate_whatever_the_shape(bits, most):
   """Buckets of 2,048 padded a share of 1,024 (8,192 elements over 8 devices) to 2,048: 16
@@ -341,6 +342,7 @@ def test_a_flat_shard_under_the_gathers_threshold_is_an_error_naming_both_thresh
   assert [c[0] for c in found] == ["all-gather"] and found[0][2] < 2700  # 8 bits, not 32.
 
 
+@pytest.mark.slow
 def test_uncompressed_gradient_is_float32_fsdp():
   shards, x, (exact, *_) = _gradients()
   params = _params()
@@ -473,6 +475,7 @@ class _Model(nn.Module):
     return nn.Dense(10)(x)
 
 
+@pytest.mark.slow
 def test_flax_blocks_gather_their_parameters_under_nn_remat():
   params = _Model(gather=False).init(jax.random.key(0), jnp.zeros((1, 60)))["params"]
   shards = qsgd_jax.fsdp_shard(params, MESH, AXIS)  # 60 rows of block0: a FlatShard.

@@ -103,6 +103,7 @@ def test_a_float32_average_is_the_compilers_step():
   assert _specs(params) == SPECS
 
 
+@pytest.mark.slow
 def test_parameters_and_state_keep_the_models_layout(qsgd_run):
   params, state, _, abstract_state = qsgd_run
   assert _specs(params) == SPECS
@@ -138,6 +139,7 @@ def test_only_the_compressed_exchange_crosses_the_data_axis(qsgd_run):
   assert within <= 1.1 * float32_within
 
 
+@pytest.mark.slow
 def test_an_explicit_mesh_gives_the_automatic_ones_layout():
   tx = optax.chain(qsgd_jax.qsgd("data", bits=8), optax.sgd(0.1))
   auto_params, _, _, _ = _run(tx, _mesh(), steps=1)
@@ -155,6 +157,7 @@ def test_the_batch_splits_over_further_axes_when_asked():
   chex.assert_trees_all_close(over_both, over_data, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_hand_written_step_is_data_parallels():
   """The recipe of the meshes guide: a jax.shard_map manual over the data axis, the update
   with the model axes explicit."""
@@ -224,6 +227,7 @@ def test_an_update_over_automatic_model_axes_is_an_error():
                           axis_names={"data"}))(_params(mesh), _batch())
 
 
+@pytest.mark.slow
 def test_diloco_keeps_a_copy_a_data_group_laid_out_as_the_params():
   mesh = _mesh()
   average = qsgd_jax.qsgd("data", bits=4, error_feedback=True)
@@ -564,6 +568,7 @@ def test_a_non_finite_gradient_in_one_shard_skips_the_step_on_every_device(run, 
                                 jax.device_get(getattr(core, field)))
 
 
+@pytest.mark.slow
 def test_onebit_adams_auto_freeze_is_one_decision_on_every_device():
   """The variance's shares are read from the whole variance (every shard's), so every device
   freezes at the same count."""

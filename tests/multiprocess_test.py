@@ -71,6 +71,7 @@ def _run_workers(directory: pathlib.Path, meanwhile):
   return saved, also
 
 
+@pytest.mark.slow
 def test_two_processes_agree_bit_for_bit_and_match_one_process(tmp_path):
   num_devices = worker.NUM_PROCESSES * _DEVICES_A_PROCESS
   inputs = worker.global_inputs(num_devices)

@@ -58,6 +58,7 @@ def report(tmp_path_factory):
   return json.loads((out / "network_2proc.json").read_text())
 
 
+@pytest.mark.slow
 def test_unthrottled_run_averages_and_counts(report):
   tree = report["collectives"]["trees"]["tiny"]
   assert tree["parameters"] == 256 * 1024 + 1024

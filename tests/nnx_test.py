@@ -155,6 +155,7 @@ def _train_shard_map(num_steps):
   return nnx.state(model), losses, optimizer
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_trains_under_pmap_and_shard_map_alike():
   pmap_params, pmap_losses, pmap_optimizer = _train_pmap(3)
   params, losses, optimizer = _train_shard_map(3)

@@ -49,6 +49,7 @@ def _codes(num_bits: int, length: int = LENGTH):
   return hnp.arrays(np.uint32, length, elements=st.integers(0, 2**num_bits - 1))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=1000, deadline=None, derandomize=True)
 @hypothesis.given(data=st.data(), num_bits=st.sampled_from(WIDTHS))
 def test_pack_matches_reference_layout_and_round_trips(data, num_bits):

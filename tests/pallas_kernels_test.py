@@ -32,6 +32,7 @@ def _gradient(size, seed=1):
     (8, 1024, 8192 + 2048 + 5),
     (16, 128, 8192 + 31),
 ])
+@pytest.mark.slow
 def test_fused_qsgd_is_the_xla_path_bit_for_bit(bits, bucket_size, size):
   compressor = qsgd_jax.QSGD(bits=bits, bucket_size=bucket_size)
   assert compressor._fused_buckets(size)
@@ -45,6 +46,7 @@ def test_fused_qsgd_is_the_xla_path_bit_for_bit(bits, bucket_size, size):
   np.testing.assert_array_equal(_bits(decoded), _bits(jax.jit(compressor._decode_xla)(expected)))
 
 
+@pytest.mark.slow
 def test_the_switch_selects_the_kernels(monkeypatch):
   compressor = qsgd_jax.QSGD(bits=4)
   x, key = _gradient(8192 + 100, seed=2), jax.random.key(3)
@@ -84,6 +86,7 @@ def test_sign_unpack_rows_is_the_scaled_signs_bit_for_bit(row_words):
       _bits(pallas_kernels.sign_unpack_rows(words, scales, interpret=True)), _bits(expected))
 
 
+@pytest.mark.slow
 def test_the_exchange_with_the_unpack_kernel_is_bit_for_bit(monkeypatch):
   layout = sign_exchange.sign_layout([1000, 70000], 1)
   vectors = [jax.random.normal(jax.random.key(i), (size,)) for i, size in enumerate(layout.sizes)]
@@ -101,6 +104,7 @@ def _on_devices(fn, *trees, devices=2):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P("batch")))(*trees)
 
 
+@pytest.mark.slow
 def test_the_kernels_type_their_outputs_under_shard_map(monkeypatch):
   # A pallas_call under shard_map must say how its outputs vary over the mesh (as its
   # operands do, here the per-device gradients), or tracing it fails. With "gpu" on a CPU

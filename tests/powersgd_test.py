@@ -78,6 +78,7 @@ def _trajectory(config_name):
   return states, grads, outputs
 
 
+@pytest.mark.slow
 def test_steps_are_pytorchs_hook_on_each_leafs_matrix():
   """Every step against the numpy reference of powerSGD_hook, fed each leaf's matrix.
 
@@ -250,6 +251,7 @@ def test_an_all_zero_leaf_gives_zeros_not_nan(epsilon):
   assert np.isnan(reference.gram_schmidt(zero, epsilon)).all() == (epsilon == 0)
 
 
+@pytest.mark.slow
 def test_a_nonfinite_gradient_skips_the_step_on_every_device():
   average = qsgd_jax.powersgd(AXIS, start_iter=2)
   tx = optax.chain(average, optax.apply_if_finite(optax.sgd(0.1), 3))
@@ -399,6 +401,7 @@ def _batched_lapack_qr_calls(hlo_text):
   return [s for s in shapes if math.prod(int(d) for d in s.split(",")[:-2]) > 1]
 
 
+@pytest.mark.slow
 def test_qr_of_a_group_on_every_device_at_once_does_not_deadlock():
   """Rank 16 with two (128, 512) leaves, one group: P and Q are QR'd as batches of two.
 

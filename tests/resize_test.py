@@ -111,6 +111,7 @@ def test_pmap_state_from_8_devices_keeps_what_error_feedback_owes_and_steps(trai
   assert np.asarray(stepped[0].count)[0] == 4
 
 
+@pytest.mark.slow
 def test_shard_map_layout_from_8_devices_to_4_steps_there():
   mesh8 = jax.make_mesh((SAVED,), (AXIS,))
   mesh4 = jax.make_mesh((4,), (AXIS,), devices=jax.devices()[:4])

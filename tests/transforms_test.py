@@ -371,6 +371,7 @@ def _multiples_of_an_eighth():
                       "b": jax.random.randint(b_key, (NUM_DEVICES, 128), -8, 8) / 8.0})
 
 
+@pytest.mark.slow
 def test_multi_steps_advances_the_state_only_when_applying():
   """optax.MultiSteps gives the compressed mean; key and count advance once per k mini-steps.
 
@@ -589,6 +590,7 @@ def test_warm_up_averages_integer_leaves_as_the_compressed_steps_do():
 # Warm-up and statistics.
 
 
+@pytest.mark.slow
 def test_warmup_steps_are_exact_float32_means():
   warmup_steps = 2
   tx = qsgd_jax.compressed_allreduce(
@@ -651,6 +653,7 @@ def test_wire_bits_are_what_the_compiled_update_sends(transform, elias_is_smalle
     assert np.isnan(float(stats.elias_bits))
 
 
+@pytest.mark.slow
 def test_elias_bits_are_off_by_default_and_measured_every_k_steps():
   _, state, _ = _pmap_train("qsgd_adamw", 1)
   assert np.isnan(float(_first(qsgd_jax.compression_stats(state)).elias_bits))
@@ -755,6 +758,7 @@ def _digits_train():
   return jax.pmap(jax.vmap(train, in_axes=(0, None, None, 0)), axis_name=AXIS)
 
 
+@pytest.mark.slow
 def test_error_feedback_matters_on_digits():
   x_train, y_train, x_test, y_test = _digits_data()
   params = jax.vmap(_mlp_init)(jax.random.split(jax.random.key(0), len(_DIGITS_SEEDS)))

@@ -56,6 +56,7 @@ _STEP_CASES = ([(compression, "shard_map") for compression in train.COMPRESSIONS
                + [("qsgd4", "jit"), ("onebit", "jit")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression, parallelism", _STEP_CASES)
 def test_train_steps(compression, parallelism, initial_variables):
   config = _fake_data_config(compression, parallelism)
@@ -85,6 +86,7 @@ def test_train_steps(compression, parallelism, initial_variables):
       assert wire < fp32
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_writes_metrics_and_summary(tmp_path):
   summary = train.train_and_evaluate(smoke.get_config(), str(tmp_path))
 
@@ -128,6 +130,7 @@ def _records_without_timings(workdir):
           for record in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism", train.PARALLELISMS)
 def test_a_resumed_run_equals_an_uninterrupted_run(parallelism, tmp_path):
   config = _fake_data_config("onebit", parallelism)  # Error feedback: residuals in the state.
@@ -188,6 +191,7 @@ def _nonfinite_config():
   return config
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_stops_the_run_at_its_step_before_a_checkpoint_holds_it(
     tmp_path, monkeypatch):
   _poisoned_at(3, monkeypatch)
@@ -198,6 +202,7 @@ def test_a_nonfinite_loss_stops_the_run_at_its_step_before_a_checkpoint_holds_it
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
 
 
+@pytest.mark.slow
 def test_a_skipped_nonfinite_step_leaves_params_and_batch_statistics_as_they_were(
     tmp_path, monkeypatch):
   _poisoned_at(3, monkeypatch)

@@ -142,6 +142,7 @@ def _device_copies(tree) -> list[list[np.ndarray]]:
           for leaf in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("average, parallelism, optimizer", STEP_CASES)
 def test_steps_on_a_repeated_batch_lower_the_loss_and_keep_replicas_equal(average, parallelism,
                                                                          optimizer):
@@ -187,6 +188,7 @@ def _whole(params) -> list[np.ndarray]:
       params, is_leaf=lambda x: isinstance(x, qsgd_jax.FlatShard))]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_state_and_follows_float32_fsdp_which_is_data_parallel_float32():
   """8-bit weights and 4-bit gradients against float32 FSDP (Identity both ways), and that
   against float32 data parallelism: the same steps, up to float32 rounding."""
@@ -238,6 +240,7 @@ def runs(request, tmp_path_factory):
   return config, (uninterrupted, summary), (interrupted, resumed_summary)
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_metrics_and_summary(runs):
   config, (workdir, summary), _ = runs
   assert json.loads((workdir / "summary.json").read_text()) == summary
@@ -290,6 +293,7 @@ def _fields_named(tree, name: str) -> list:
   return []
 
 
+@pytest.mark.slow
 def test_a_resumed_run_equals_an_uninterrupted_run(runs):
   config, (uninterrupted, summary), (interrupted, resumed_summary) = runs
   assert resumed_summary["first_step"] == 4
@@ -305,6 +309,7 @@ def test_a_resumed_run_equals_an_uninterrupted_run(runs):
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_resumed_diloco_run_equals_an_uninterrupted_one(tmp_path):
   """DiLoCo resumed from step 4 of 6, mid-round (syncs at 3 and 6): the global parameters,
   every worker's inner state and the outer average's error feedback come back bit for bit.
@@ -330,6 +335,7 @@ def test_a_resumed_diloco_run_equals_an_uninterrupted_one(tmp_path):
   assert _records_without_timings(interrupted) == _records_without_timings(uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outer_average", ["qsgd4_ef", "sparseloco"])
 def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path, outer_average):
   """``--config.optimizer=diloco``: 2 workers of 4 devices, a sync every 3 steps of 6, the
@@ -359,6 +365,7 @@ def test_diloco_trains_and_sends_across_workers_only_at_syncs(tmp_path, outer_av
   assert 0 < by_branch["least"] < by_branch["most"] == summary["hlo_wire_bytes_per_step"]
 
 
+@pytest.mark.slow
 def test_a_split_diloco_exchange_sends_a_quarter_across_workers(tmp_path):
   """``--config.outer_split``: each of a worker's 4 devices exchanges a quarter of the outer
   gradient; with a float32 outer average the run is the unsplit one's, bit for bit."""
@@ -401,6 +408,7 @@ def test_the_comparison_reads_a_switched_step_as_its_lightest_and_heaviest_branc
   assert "| 3,410 |" in rows[2] and "| 135-3,410 |" in rows[3]
 
 
+@pytest.mark.slow
 def test_a_hybrid_mesh_keeps_the_models_layout_and_sends_less_across_the_data_axis(tmp_path):
   """``parallelism=hybrid``: 2 data groups of 2 x 2 devices, the model sharded inside each by
   its logical axis rules; 4-bit error-feedback QSGD over the data axis."""
