@@ -121,6 +121,7 @@ def test_pmap_matches_multi_steps():
     assert not np.asarray(mean).any()
 
 
+@pytest.mark.slow
 def test_communicates_only_on_every_kth_mini_step():
   _, _, _, counts, runs, _ = _pmap_run("accumulate_gradients")
   _, _, _, multi_counts, multi_runs, _ = _pmap_run("multi_steps")

@@ -327,6 +327,7 @@ def test_two_phase_8bit_bucketed_minmax_within_1e3_of_exact_mean_on_smooth_input
 # Edge cases.
 
 
+@pytest.mark.slow
 def test_odd_sizes_and_bf16_leaves():
   """Sizes 1, 7 and 10007 and a bf16 leaf, compressed or in full precision.
 
@@ -403,6 +404,7 @@ def test_unbound_axis_name_raises_name_error():
     jax.jit(lambda x: qsgd_jax.quantized_pmean(x, AXIS, qsgd_jax.QSGD(), KEY))(jnp.ones(8192))
 
 
+@pytest.mark.slow
 def test_non_float_leaves_keep_their_dtype():
   """Integer leaves: psum's sum, pmean's mean cast back; bools: any device's; float0 passes."""
   steps = jnp.arange(NUM_DEVICES, dtype=jnp.int32)[:, None] * jnp.ones((1, 3), jnp.int32)

@@ -132,6 +132,7 @@ def test_onebit_adam_is_deepspeeds_step_by_step_under_pmap():
     helpers.assert_replicas_identical(p)
 
 
+@pytest.mark.slow
 def test_onebit_adam_is_deepspeeds_step_by_step_under_shard_map():
   params, grads = _problem(seed=2)
   tx = qsgd_jax.onebit_adam(1e-2, AXIS, freeze_step=2, bias_correction=False,
@@ -310,6 +311,7 @@ def test_auto_freeze_reads_the_leaves_shares_not_the_norm():
   assert _decisions(rule, [[1.0], [1.01], [0.99], [1.0]])[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["onebit_adam", "zero_one_adam"])
 def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(optimizer):
   """After the freeze; for 0/1 Adam at a local step, where nothing else is exchanged."""

@@ -233,6 +233,7 @@ def test_hierarchical_stats_count_the_bytes_the_hlo_sends(num_nodes):
   assert stats.outer_wire_bits == 8 * between_nodes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", [qsgd_jax.OneBit(bucket_size=4),
                                         qsgd_jax.OneBit(bucket_size=None)],
                          ids=["buckets", "rows"])

@@ -126,6 +126,7 @@ def test_algorithm1_matches_reference(mapping):
     ("shard_map", 4, 1, 0.5, 11),
     ("pmap", 6, 2, 0.0, 13),  # The exchange at s + 1, the merge at s + 2.
 ])
+@pytest.mark.slow
 def test_streaming_matches_reference(mapping, sync_every, delay, alpha, steps):
   targets = example_targets(steps)
   tx = diloco(optax.adam(0.05), AXIS, sync_every=sync_every, fragments=2, delay=delay,
@@ -219,6 +220,7 @@ def test_compressed_average_keeps_its_error_feedback(compressed_run):
   assert np.all(np.isfinite(np.asarray(jax.tree.leaves(history[-1][0])[0])))
 
 
+@pytest.mark.slow
 def test_stats_count_only_exchange_steps(compressed_run):
   _, _, history = compressed_run
   bits = [float(qsgd_jax.compression_stats(state).wire_bits[0]) for _, state in history[1:]]
@@ -325,6 +327,7 @@ def test_non_finite_inner_step_skips_on_that_device():
   assert np.all(np.isfinite(final_params["w"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 def test_non_finite_guard_is_the_same_as_a_select_or_a_conditional(mapping, monkeypatch):
   """The CPU takes the conditional, other backends the select: the same bits either way."""

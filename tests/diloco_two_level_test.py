@@ -164,6 +164,7 @@ def test_two_level_data_parallel_is_the_hand_written_step_bit_for_bit(runs, requ
              for leaf in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_split_streaming_matches_reference(split_runs):
   params, state = split_runs[0][-1]
   local, global_ = reference.streaming_diloco(
@@ -177,6 +178,7 @@ def test_split_streaming_matches_reference(split_runs):
     np.testing.assert_allclose(np.asarray(leaf), np.stack(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_inner_residuals_are_each_devices_own(residual_runs):
   """The inner average's residuals lie along both axes, a row a device, and differ between a
   worker's devices; the worker's Adam moments lie along "outer", one a worker."""

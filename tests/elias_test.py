@@ -133,6 +133,7 @@ def test_encode_stores_the_norm_bits():
   assert int(words[0]) == struct.unpack(">I", struct.pack(">f", -3.25))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", _VARIANTS)
 @pytest.mark.parametrize("size", [64, 5000])
 def test_round_trip_random(variant, size):
@@ -192,6 +193,7 @@ _level_vectors = st.lists(
     min_size=_SIZE, max_size=_SIZE)
 
 
+@pytest.mark.slow
 @hypothesis.settings(deadline=None, max_examples=150, derandomize=True)
 @hypothesis.given(levels=_level_vectors, norm=st.floats(width=32, allow_nan=False))
 def test_matches_reference_sparse(levels, norm):

@@ -96,6 +96,7 @@ def _ours(compressor, method, size, draws=256):
   return np.asarray(_pmap(means, in_axes=(0, None))(_gradients(size), keys)[0])
 
 
+@pytest.mark.slow
 def test_minmax_two_phase_is_qsgd_tfs_two_rounds_in_law():
   """``MinMax()`` two-phase, own piece exact: QSGD-TF's error, unbiased, the same size.
 

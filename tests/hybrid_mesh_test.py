@@ -120,6 +120,7 @@ def test_parameters_and_state_keep_the_models_layout(qsgd_run):
   _data_replicas_agree(params)
 
 
+@pytest.mark.slow
 def test_only_the_compressed_exchange_crosses_the_data_axis(qsgd_run):
   _, _, hlo, _ = qsgd_run
   mesh = _mesh()
@@ -150,6 +151,7 @@ def test_an_explicit_mesh_gives_the_automatic_ones_layout():
               if c.crosses(_mesh(), MODEL) and c.result_type.startswith(("u32", "(u32"))]
 
 
+@pytest.mark.slow
 def test_the_batch_splits_over_further_axes_when_asked():
   tx = optax.chain(qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "data"), optax.sgd(0.1))
   over_data, _, _, _ = _run(tx, _mesh(), steps=1)
@@ -325,6 +327,7 @@ def _compressed_adam_core(state):
   return state[0] if isinstance(state[0], qsgd_jax.ScaleByOneBitAdamState) else state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["onebit_steps", "zero_one_run"])
 def test_compressed_adams_keep_the_layout_and_send_signs_across_the_data_axis(run, request):
   found = request.getfixturevalue(run)
@@ -369,6 +372,7 @@ def test_onebit_adam_exchanges_each_shard_as_deepspeed_does(onebit_steps):
                                  rtol=1e-5, atol=1e-8, err_msg=name)
 
 
+@pytest.mark.slow
 def test_powersgd_compresses_each_devices_block_as_a_matrix(powersgd_steps):
   """The first compressed step's update of each block is the projection of the data groups'
   mean block onto the span of that block times its own Q (Vogels et al., Algorithm 1 from
@@ -460,6 +464,7 @@ def decentralized_run():
   return params, state, step.lower(params, state, _batch()).compile().as_text(), whole
 
 
+@pytest.mark.slow
 def test_decentralized_replicas_are_each_shards_peers_model(decentralized_run):
   params, state, hlo, whole = decentralized_run
   mesh = _mesh()

@@ -79,6 +79,7 @@ def test_unthrottled_run_averages_and_counts(report):
   assert "relative_error" not in wire_only
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_DENIED), reason=_NO_NAMESPACE)
 def test_limited_link_is_slower_by_the_bytes_over_the_rate(report):
   tree = report["collectives"]["trees"]["tiny"]
@@ -96,6 +97,7 @@ def test_limited_link_is_slower_by_the_bytes_over_the_rate(report):
     assert 0.9 < entry["link_bytes_sent"] / entry["hlo_bytes_sent"] < 1.2, mode
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_DENIED), reason=_NO_NAMESPACE)
 def test_namespace_is_deleted_when_a_launch_times_out(tmp_path):
   namespace = _namespace_name("timeout")

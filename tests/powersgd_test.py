@@ -446,6 +446,7 @@ def test_qr_of_a_group_on_every_device_at_once_does_not_deadlock():
                               jnp.linalg.qr(matrices, mode="reduced")[0])
 
 
+@pytest.mark.slow
 def test_off_the_cpu_rank_above_two_orthogonalizes_by_gram_schmidt_twice(monkeypatch):
   # Nearly rank one, as a gradient's P often is: one pass leaves the columns 1e-4 from
   # orthogonal in float32, the second brings them to QR's precision, and they span the
@@ -543,6 +544,7 @@ def _group_leaves(tx, params):
   return {(g.rows, g.columns): sorted(plan.paths[i] for i in g.leaves) for g in plan.groups}
 
 
+@pytest.mark.slow
 def test_flax_attention_kernels_are_their_layers_input_to_output_maps():
   params = _linen_attention_params()
   assert params["query"]["kernel"].shape == (64, 4, 16)  # (in, heads, head_dim).

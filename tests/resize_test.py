@@ -73,6 +73,7 @@ def _owner_vector(chunk_error: np.ndarray) -> np.ndarray:
   return np.asarray(chunk_error).reshape(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [4, 2])
 def test_pmap_state_from_8_devices_keeps_what_error_feedback_owes_and_steps(trained, count):
   params, state = trained

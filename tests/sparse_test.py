@@ -254,6 +254,7 @@ def _demo_grads(step):
   return [_normal(30 + step, WORKERS, *shape) for shape in _DEMO_SHAPES]
 
 
+@pytest.mark.slow
 def test_demo_is_demo_py():
   lr = 0.01
   tx = qsgd_jax.demo(lr, AXIS, **_DEMO_OPTIONS)

@@ -786,6 +786,7 @@ def test_error_feedback_matters_on_digits():
 # One device, two levels, and trees that are hardly compressed.
 
 
+@pytest.mark.slow
 def test_no_axis_quantizes_locally_with_error_feedback():
   """axis_name=None: the step as one device alone would send it, residuals kept."""
   compressor = qsgd_jax.OneBit(bucket_size=512)
