@@ -70,6 +70,8 @@ def _docstring_examples() -> list[doctest.DocTest]:
   return sorted(found.values(), key=lambda test: test.name)
 
 
+# Slow: each compiles its own programs, and scripts/docs.sh runs them too (sphinx's doctest).
+@pytest.mark.slow
 @pytest.mark.parametrize("test", _docstring_examples(), ids=lambda test: test.name)
 def test_docstring_example_runs(test):
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
@@ -97,6 +99,7 @@ def _run_cells(cells: list[tuple[str, str]]) -> dict:
 
 
 # Sections that import what they use, so that they run alone.
+@pytest.mark.slow
 @pytest.mark.parametrize("guide, heading", [
     ("training_loops.md", "Dropout: a key a step and a device"),
     # Its last cell asserts that the two steps give the same bits.

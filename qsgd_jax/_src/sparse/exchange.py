@@ -79,7 +79,8 @@ def exchange(compressors: Sequence[TopK], arrays: Sequence[jax.Array], key: jax.
   Args:
     compressors: one :class:`TopK` an array.
     arrays: this device's ``float32`` arrays.
-    key: this device's PRNG key (its index folded in), for stochastic values.
+    key: a PRNG key for the values' stochastic rounding (fold in the device's
+      index for draws of its own); unused by deterministic values.
     axis_name: the devices' axis, or ``None`` for one device (nothing sent).
     aggregation: ``"mean_over_workers"`` or ``"mean_over_contributors"``.
     finite: ``bool[]``, whether this device's values are all finite; it

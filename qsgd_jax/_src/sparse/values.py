@@ -42,11 +42,6 @@ def float_values(words: jax.Array, count: int, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(halves, dtype).astype(jnp.float32)
 
 
-def float_word_count(count: int, dtype) -> int:
-  """Words :func:`float_words` makes of ``count`` values."""
-  return packing.num_words(count, np.dtype(dtype).itemsize * 8)
-
-
 def scaled_codes(key: jax.Array, values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
   r"""Each chunk's values as ``bits``-bit codes against its largest magnitude.
 
