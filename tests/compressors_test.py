@@ -321,7 +321,7 @@ COMPRESSORS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_encode_concatenated_is_the_encode_of_the_concatenation(name, dtype):
   """Bit for bit, for rows of whole runs (the pieces of a two-phase sum) and for vectors."""
@@ -568,6 +568,7 @@ def test_l2_norm_of_large_values_is_exact_and_clipped_to_the_dtype(case):
   np.testing.assert_allclose(scales[~clipped], norms[~clipped], rtol=1e-6, atol=flushed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "compressor", [qsgd_jax.QSGD(bits=16, bucket_size=None), qsgd_jax.MinMax(bits=8)], ids=str
 )

@@ -159,6 +159,7 @@ def _pmapped_training(optimizer, num_workers):
   return init, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "compressor, bucket_bytes",
     # The leaves are b (5 bfloat16, 10 bytes) and w (15 float32). Bagua's

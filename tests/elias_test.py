@@ -143,6 +143,7 @@ def test_round_trip_random(variant, size):
     _check_codec(levels, float(rng.normal()), variant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", _VARIANTS)
 def test_round_trip_qsgd_levels_over_many_chunks(variant):
   # About 4 bits a coordinate: the strings span several decoding chunks.

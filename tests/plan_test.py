@@ -82,6 +82,7 @@ def _plan(compressor, method, axis_name):
                             min_compressed_size=_MIN_COMPRESSED, axis_sizes=sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_plan_lists_the_collectives_of_the_compiled_program(name):
   compressor, method, axis_name = CASES[name]
@@ -282,6 +283,7 @@ def test_every_element_of_a_block_draws_its_own_rounding():
   assert not np.array_equal(payload.packed[0], payload.packed[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", [
     qsgd_jax.QSGD(bits=4, bucket_size=8),
     qsgd_jax.QSGD(bits=3, bucket_size=5),
@@ -316,6 +318,7 @@ def test_block_parts_are_the_blocks_join_writes_out(compressor):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", [qsgd_jax.QSGD(bits=4), qsgd_jax.OneBit()],
                          ids=["qsgd4", "onebit"])
 def test_two_phase_sum_of_leaves_in_place_is_that_of_written_segments(compressor,
