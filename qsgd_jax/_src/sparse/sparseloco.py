@@ -87,6 +87,13 @@ def sparseloco_average(
   feedback (``diloco`` leaves such a worker out before it gets here, and
   skips a round whose average is not finite).
 
+  Not yet right: a worker that ``diloco`` leaves out of a round (its outer
+  gradient not finite) gets here with a zero outer gradient, still sends the
+  top of its decayed buffer and counts as a contributor, and ``diloco``
+  scales the average by the workers over those left in, which suits
+  ``"mean_over_workers"`` but not ``"mean_over_contributors"``: such a round
+  moves the global parameters by a wrong amount.
+
   Args:
     axis_name: the workers' axis (or axes), or ``None`` for one worker.
     density: the fraction of each block kept, in ``(0, 1]``: ``top_k /
