@@ -74,7 +74,7 @@ def scale_by_demo(
   :math:`m \leftarrow \beta m + g`. What a device does not send stays in
   its momentum: that is DeMo's error feedback.
 
-  Blocks (:mod:`~qsgd_jax._src.sparse.blocks`): a leaf of two or more
+  Blocks (``qsgd_jax/_src/sparse/blocks.py``): a leaf of two or more
   dimensions is seen as the matrix ``matrix_view`` gives (by default
   :func:`~qsgd_jax.attention_matrix_view`) and cut into blocks of at most
   ``chunk x chunk``, each side the largest divisor of the matrix's at most
@@ -89,7 +89,7 @@ def scale_by_demo(
   gradient was finite. ``demo.py`` sends int64 positions and values in the
   parameters' dtype: at ``k = 32`` of a 64 x 64 block, 384 bytes where this
   sends 176 (float32 values) or 112 (bfloat16). A device sends
-  ``(n - 1)`` payloads' bytes (:mod:`~qsgd_jax._src.sparse.exchange`).
+  ``(n - 1)`` payloads' bytes (``qsgd_jax/_src/sparse/exchange.py``).
 
   A NaN or inf in any device's gradient makes the update NaN on every device
   and keeps the momentum and the count: :func:`~qsgd_jax.demo` then skips

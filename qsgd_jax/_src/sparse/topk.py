@@ -121,7 +121,7 @@ class TopK(base.Compressor):
 
   @property
   def index_bits(self) -> int:
-    """Bits a kept position takes: ``ceil(log2(chunk))`` (at least 1)."""
+    """The bits a kept position takes, ``ceil(log2(chunk))``, and at least 1."""
     return max(1, (self.chunk - 1).bit_length())
 
   def bucket_length(self, shape: tuple[int, ...]) -> int:
