@@ -63,6 +63,7 @@ from qsgd_jax._src.fsdp.onebit_state import (
     keep_fsdp_onebit_error,
 )
 from qsgd_jax._src.fsdp.shards import FlatShard, fsdp_shard
+from qsgd_jax._src.participation import AverageOverParticipants
 from qsgd_jax._src.powersgd.low_rank import attention_matrix_view
 from qsgd_jax._src.powersgd.transform import PowerSGDState, powersgd
 from qsgd_jax._src.sparse.demo import ScaleByDemoState, demo, scale_by_demo
@@ -91,6 +92,7 @@ __version__ = "0.1.0"
 __all__ = (
     "LOST_PROCESS_EXIT_CODE",
     "AccumulationState",
+    "AverageOverParticipants",
     "BranchWireBytes",
     "Cast",
     "Collective",

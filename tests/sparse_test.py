@@ -146,10 +146,15 @@ def test_the_two_averages():
   topk = qsgd_jax.TopK(k=2, chunk=4)
   rows = jnp.array([[3.0, 1.0, 0.0, 0.0], [0.0, 5.0, 2.0, 0.0]])
   payloads = jax.vmap(topk.encode)(jax.random.split(jax.random.key(0), 2), rows)
-  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_workers"),
+  both = jnp.array([True, True])
+  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_workers", both),
                                 [1.5, 3.0, 1.0, 0.0])
-  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_contributors"),
+  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_contributors", both),
                                 [3.0, 3.0, 2.0, 0.0])
+  # Worker 0 left out: worker 1's alone, whichever average.
+  for aggregation in ("mean_over_workers", "mean_over_contributors"):
+    np.testing.assert_array_equal(
+        exchange.average(topk, payloads, aggregation, jnp.array([False, True])), rows[1])
 
 
 # Top-k with error feedback through compressed_allreduce ------------------------------------
@@ -347,6 +352,82 @@ def test_sparseloco_average_is_sparseloco_py():
     for w in range(WORKERS):
       for got, want in zip(state.error, errors[w], strict=True):
         np.testing.assert_allclose(np.asarray(got[w]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["mean_over_contributors", "mean_over_workers"])
+def test_sparseloco_average_leaves_out_the_workers_not_taking_part(aggregation):
+  """Worker 1 does not take part in the second round, with a NaN outer gradient: the average is
+  sparseloco.py's over the other three (whose buffers go on as theirs), and worker 1's buffer
+  stays as the first round left it."""
+  tx = qsgd_jax.sparseloco_average(AXIS, aggregation=aggregation, **_LOCO_OPTIONS)
+  assert isinstance(tx, qsgd_jax.AverageOverParticipants)
+  state = _pmap(tx.init)(tuple(np.zeros((WORKERS, *s), np.float32) for s in _LOCO_SHAPES))
+  update = _pmap(tx.update)
+  errors = [[np.zeros(s) for s in _LOCO_SHAPES] for _ in range(WORKERS)]
+  first = tuple(_normal(60, WORKERS, *s) for s in _LOCO_SHAPES)
+  _, state = jax.block_until_ready(update(first, state, participating=np.ones(WORKERS, bool)))
+  _, errors = reference.sparseloco_round(
+      errors, [[d[w] for d in first] for w in range(WORKERS)], density=0.1, chunk=8, bits=2,
+      decay=0.9)
+  second = tuple(_normal(61, WORKERS, *s) for s in _LOCO_SHAPES)
+  second[0][1, 0, 0] = np.nan
+  taking_part = np.array([True, False, True, True])
+  averaged, state = jax.block_until_ready(update(second, state, participating=taking_part))
+  assert_replicas_identical(averaged)
+  in_ = [0, 2, 3]
+  expected, errors_in = reference.sparseloco_round(
+      [errors[w] for w in in_], [[d[w] for d in second] for w in in_], density=0.1, chunk=8,
+      bits=2, decay=0.9)
+  if aggregation == "mean_over_workers":
+    expected = _mean_over_workers_round([errors[w] for w in in_],
+                                        [[d[w] for d in second] for w in in_])
+  for got, want in zip(averaged, expected, strict=True):
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=1e-5, atol=1e-6)
+  for w, want_errors in zip(in_ + [1], errors_in + [errors[1]], strict=True):
+    for got, want in zip(state.error, want_errors, strict=True):
+      np.testing.assert_allclose(np.asarray(got[w]), want, rtol=1e-5, atol=1e-5)
+
+
+def _mean_over_workers_round(errors, deltas):
+  r"""The paper's mean of a round, :math:`\frac1R \sum_r \hat\Delta_r`, over the workers given."""
+  sent = []
+  for w in range(len(deltas)):
+    _, (new,) = reference.sparseloco_round([errors[w]], [deltas[w]], density=0.1, chunk=8,
+                                           bits=2, decay=0.9)
+    sent.append([0.9 * e + d - n for e, d, n in zip(errors[w], deltas[w], new, strict=True)])
+  return [np.mean([s[i] for s in sent], axis=0) for i in range(len(deltas[0]))]
+
+
+def test_diloco_leaves_a_non_finite_worker_out_of_sparselocos_mean_over_contributors():
+  """Worker 0's outer gradient overflows at a sync: the global parameters move by the
+  contributor mean of the other three workers' sparse outer gradients (not rescaled by 4 / 3,
+  as a mean over all workers would be), and worker 0's buffer stays empty."""
+  tx = qsgd_jax.diloco(optax.sgd(1.0), AXIS, sync_every=1, outer_optimizer=optax.sgd(1.0),
+                       average=qsgd_jax.sparseloco_average(AXIS, **_LOCO_OPTIONS))
+  start = np.zeros((WORKERS, 16, 24), np.float32)
+  start[:, 0, 0] = 2e38
+  state = _pmap(tx.init)({"w": start})
+  local = start.copy()
+  local[0, 0, 0] = -2e38  # Worker 0's outer gradient there: 2e38 + 2e38, inf.
+  grads = _normal(70, WORKERS, 16, 24)
+  grads[:, 0, 0] = 0.0  # Every other worker's outer gradient is its gradient, exactly.
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  _, state = jax.block_until_ready(_pmap(step)({"w": local}, state, {"w": grads}))
+  assert int(state.skipped_workers[0]) == 1
+  (expected,), _ = reference.sparseloco_round(
+      [[np.zeros((16, 24))] for _ in range(3)], [[grads[w]] for w in (1, 2, 3)], density=0.1,
+      chunk=8, bits=2, decay=0.9)
+  moved = np.asarray(state.global_params["w"]) - start
+  assert_replicas_identical(moved)
+  moved[:, 0, 0] = 0.0
+  np.testing.assert_allclose(moved[0], -expected, rtol=1e-5, atol=1e-6)
+  (buffer,) = state.fragments[0].average_state.error
+  np.testing.assert_array_equal(np.asarray(buffer[0]), 0.0)
+  assert np.count_nonzero(np.asarray(buffer[1:])) > 0
 
 
 def test_sparseloco_is_diloco_average_under_shard_map():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsgd_jax._src import axes, base, stats, wire
+from qsgd_jax._src import axes, base, participation, stats, wire
 from qsgd_jax._src.diloco import checks
 
 _OWNER = "qsgd_jax.diloco"
@@ -115,11 +115,13 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
       own (``i`` folded into the average's keys), and the worker's devices
       all-gather the parts back into the whole.
 
-  A worker whose outer gradient is not finite sends zeros and is left out:
-  the average is taken over the other workers, as a quorum leaves out a
-  failed replica (the number of them comes from one scalar all-reduce). A
-  compressed ``average`` with error feedback still sends such a worker's
-  residual, counted as the others' (scaled by ``n / (n - left out)``). A
+  A worker whose outer gradient is not finite is left out: the average is
+  taken over the other workers, as a quorum leaves out a failed replica (the
+  number of them comes from one scalar all-reduce). An
+  :class:`~qsgd_jax.AverageOverParticipants` is told so and averages over
+  those left in itself. Any other ``average`` is handed zeros from such a
+  worker and its result scaled by ``n / (n - left out)``; one with error
+  feedback still sends the worker's residual, counted as the others'. A
   non-finite average (the same on every device: every worker was left out,
   or the sum overflowed) keeps the average's state, its error feedback, on
   every device, so that a skipped round loses nothing.
@@ -130,13 +132,16 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
   """
   own_finite = base.all_finite(delta)
   delta = tuple(jnp.where(own_finite, d, 0.0) for d in delta)
+  told = isinstance(average, participation.AverageOverParticipants)
+  participating = own_finite if told else None
   finite_workers = own_finite.astype(jnp.float32)
   count_bits = jnp.float32(0)
   if not parsed.is_local:
     finite_workers = jax.lax.psum(finite_workers, parsed.name)
     count_bits = jnp.float32(wire.float32_allreduce_bits(1, size))
   if split is None:
-    averaged, new_state, bits = _average(delta, average_state, average, parsed, size)
+    averaged, new_state, bits = _average(delta, average_state, average, parsed, size,
+                                         participating)
   else:
     flat = jnp.concatenate([d.ravel() for d in delta])
     count = split_count(split)
@@ -145,7 +150,8 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
     part = jax.lax.dynamic_slice_in_dim(flat, jax.lax.axis_index(split.name) * length, length)
     own_state = average_state if average is None else _own_draws(
         jax.tree.map(lambda x: x[0], average_state.state), split)
-    (mine,), new_state, (total, outer) = _average((part,), own_state, average, parsed, size)
+    (mine,), new_state, (total, outer) = _average((part,), own_state, average, parsed, size,
+                                                  participating)
     if average is not None:
       new_state = SplitAverageState(jax.tree.map(lambda x: x[None], new_state))
     whole = axes.all_gather_replicated(mine, split.name).reshape(-1)
@@ -156,7 +162,7 @@ def exchange(delta, average_state, *, average, parsed: axes.Axes, size: int,
     gathered = 8 * wire.bytes_sent("all-gather", 4 * count * length, count)
     bits = (total + gathered, outer)
   # size / size is 1 exactly: with every worker finite the average is as it was.
-  scale = jnp.where(finite_workers > 0, size / finite_workers, jnp.nan)
+  scale = jnp.where(finite_workers > 0, 1.0 if told else size / finite_workers, jnp.nan)
   averaged = tuple(a * scale for a in averaged)
   checks.check_same_everywhere(averaged, parsed)
   new_state = select(base.all_finite(averaged), new_state, average_state)
@@ -181,8 +187,9 @@ def _own_draws(state, split: axes.Axes):
   return jax.tree.map(fold, state)
 
 
-def _average(delta, average_state, average, parsed: axes.Axes, size: int):
-  """``delta`` averaged over ``parsed``, the average's new state and the bits (all, outer)."""
+def _average(delta, average_state, average, parsed: axes.Axes, size: int, participating):
+  """``delta`` averaged over ``parsed``, the average's new state and the bits (all, outer);
+  ``participating`` goes to an average that takes it (else ``None``)."""
   if average is None:
     if parsed.is_local:
       return delta, average_state, (jnp.float32(0), jnp.float32(0))
@@ -190,7 +197,8 @@ def _average(delta, average_state, average, parsed: axes.Axes, size: int):
     bits = jnp.float32(wire.float32_allreduce_bits(sum(d.size for d in delta), size))
     new_state = average_state
   else:
-    averaged, new_state = average.update(delta, average_state, None)
+    told = {} if participating is None else {"participating": participating}
+    averaged, new_state = average.update(delta, average_state, None, **told)
     averaged = tuple(averaged)
   checks.check_averaged(averaged, parsed)
   sent = None if average is None else stats.compression_stats(new_state)

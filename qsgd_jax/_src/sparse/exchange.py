@@ -49,10 +49,10 @@ class Exchanged(NamedTuple):
     payloads: for each array, this device's payload.
     sent: for each array, ``float32`` of its shape: what this device's payload
       decodes to (what it sent, as every device reads it).
-    averaged: for each array, the average over the devices of what they sent,
-      the same on every device.
-    all_finite: ``bool[]``, whether every device's values were finite, the
-      same on every device.
+    averaged: for each array, the average over the devices that take part of
+      what they sent, the same on every device (zeros where none takes part).
+    all_finite: ``bool[]``, whether every device that takes part had finite
+      values, the same on every device.
     wire_bits: bits this device sent, a Python float.
   """
 
@@ -72,8 +72,8 @@ def check_aggregation(aggregation, owner: str) -> None:
 
 
 def exchange(compressors: Sequence[TopK], arrays: Sequence[jax.Array], key: jax.Array,
-             axis_name: axes.AxisName, aggregation: Aggregation,
-             finite: jax.Array) -> Exchanged:
+             axis_name: axes.AxisName, aggregation: Aggregation, finite: jax.Array,
+             participating: jax.Array | bool = True) -> Exchanged:
   """Encodes each array with its compressor, all-gathers the payloads, and averages them.
 
   Args:
@@ -85,6 +85,10 @@ def exchange(compressors: Sequence[TopK], arrays: Sequence[jax.Array], key: jax.
     aggregation: ``"mean_over_workers"`` or ``"mean_over_contributors"``.
     finite: ``bool[]``, whether this device's values are all finite; it
       travels with the payloads.
+    participating: ``bool[]``, whether this device's payloads enter the
+      average; it travels with them. A device that does not take part still
+      sends (the gather's shape is fixed), but its payloads are neither
+      added nor counted, and its values' finiteness does not matter.
 
   Returns:
     An :class:`Exchanged`.
@@ -92,49 +96,55 @@ def exchange(compressors: Sequence[TopK], arrays: Sequence[jax.Array], key: jax.
   keys = jax.random.split(key, max(1, len(arrays)))
   payloads = [c.encode(k, a) for c, k, a in zip(compressors, keys, arrays, strict=True)]
   sent = [c.decode(p) for c, p in zip(compressors, payloads, strict=True)]
-  flag = jnp.where(finite, np.float32(0), np.float32(np.nan))[None]
+  # One word a device: 1 (in), 0 (left out) or NaN (in, but not finite).
+  flag = jnp.where(participating, jnp.where(finite, np.float32(1), np.float32(np.nan)),
+                   np.float32(0))[None]
   words = jnp.concatenate([serialize.to_words(p) for p in payloads]
                           + [jax.lax.bitcast_convert_type(flag, jnp.uint32)])
   if axes.parse(axis_name, "sparse exchange").is_local:
-    return Exchanged(payloads, sent, list(sent), finite, 0.0)
+    return Exchanged(payloads, sent, [jnp.where(participating, s, 0.0) for s in sent],
+                     finite | ~jnp.asarray(participating), 0.0)
   gathered = axes.all_gather_replicated(axes.as_varying(words, axis_name), axis_name)
   n = gathered.shape[0]
+  flags = jax.lax.bitcast_convert_type(gathered[:, -1], jnp.float32)
+  taking_part = flags != 0  # NaN != 0: a non-finite device takes part, and poisons the sum.
   averaged, start = [], 0
   for compressor, payload in zip(compressors, payloads, strict=True):
     count = serialize.num_words(payload)
     rows = jax.vmap(lambda w, t=payload: serialize.from_words(w, t))(
         gathered[:, start:start + count])
-    averaged.append(average(compressor, rows, aggregation))
+    averaged.append(average(compressor, rows, aggregation, taking_part))
     start += count
-  flags = jax.lax.bitcast_convert_type(gathered[:, -1], jnp.float32)
   bits = 8 * wire.bytes_sent("all-gather", 4 * n * words.shape[0], n)
   return Exchanged(payloads, sent, averaged, jnp.all(jnp.isfinite(flags)), bits)
 
 
-def average(compressor: TopK, rows: base.Payload, aggregation: Aggregation) -> jax.Array:
-  """The average of ``n`` devices' payloads, ``[n, ...]``, added in the devices' order.
+def average(compressor: TopK, rows: base.Payload, aggregation: Aggregation,
+            taking_part: jax.Array) -> jax.Array:
+  """The average of the payloads ``rows``, ``[n, ...]``, of the devices ``taking_part``
+  (``bool[n]``), added in the devices' order.
 
   A ``jax.lax.scan`` over the devices decodes one payload at a time into a
   running sum (and, for ``"mean_over_contributors"``, a running count of the
-  devices that kept each position): one leaf's worth of memory, however many
-  devices, and a fixed order of additions.
+  devices that kept each position), skipping those not taking part: one
+  leaf's worth of memory, however many devices, and a fixed order of
+  additions. ``"mean_over_workers"`` divides by the number taking part.
   """
-  n = rows.packed.shape[0]
   shape = rows.shape
 
-  def add(carry, row):
-    total, count = carry
+  def add(carry, row_and_in):
+    (total, count), (row, taking) = carry, row_and_in
     positions, kept = compressor.kept(row)
-    total = total + compressor.scattered(shape, positions, kept)
+    total = jnp.where(taking, total + compressor.scattered(shape, positions, kept), total)
     if aggregation == "mean_over_contributors":
-      count = count + compressor.support(row)
+      count = jnp.where(taking, count + compressor.support(row), count)
     return (total, count), None
 
   # Typed as the payloads are (varying over any axis other than the gather's, under shard_map).
   zeros = jnp.zeros(shape, jnp.float32)
   if names := axes.varying_axes(rows.packed):
     zeros = axes.as_varying(zeros, names)
-  (total, count), _ = jax.lax.scan(add, (zeros, zeros), rows)
+  (total, count), _ = jax.lax.scan(add, (zeros, zeros), (rows, taking_part))
   if aggregation == "mean_over_workers":
-    return total / n
+    return total / jnp.maximum(jnp.sum(taking_part, dtype=jnp.float32), 1.0)
   return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)

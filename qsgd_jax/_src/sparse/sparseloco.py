@@ -6,9 +6,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from qsgd_jax._src import axes, base, stats, wire
+from qsgd_jax._src import axes, base, participation, stats, wire
 from qsgd_jax._src.sparse import blocks as blocks_lib
 from qsgd_jax._src.sparse import exchange as exchange_lib
 from qsgd_jax._src.sparse.topk import TopK, kept_count
@@ -46,7 +45,7 @@ def sparseloco_average(
     error_decay: float = 0.95,
     aggregation: exchange_lib.Aggregation = "mean_over_contributors",
     matrix_view: blocks_lib.MatrixView | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> participation.AverageOverParticipants:
   r"""SparseLoCo's average of DiLoCo's outer gradients, for ``qsgd_jax.diloco(..., average=...)``.
 
   Each worker :math:`r` keeps an error-feedback buffer :math:`e_r` in place of
@@ -82,17 +81,16 @@ def sparseloco_average(
   On the wire: one all-gather of every leaf's payload, a kept element
   :math:`\lceil \log_2 (hw) \rceil + b` bits (14 in a 64 x 64 block at 2
   bits) plus a table of :math:`1 + 2^b` float32 a leaf; at the default
-  density (1.56%, Templar's) about 0.22 bits a parameter. A NaN or inf in any
-  worker's input makes the average NaN on every worker and keeps the error
-  feedback (``diloco`` leaves such a worker out before it gets here, and
-  skips a round whose average is not finite).
+  density (1.56%, Templar's) about 0.22 bits a parameter. A NaN or inf in the
+  input of any worker taking part makes the average NaN on every worker and
+  keeps the error feedback (``diloco`` leaves such a worker out before it gets
+  here, and skips a round whose average is not finite).
 
-  Not yet right: a worker that ``diloco`` leaves out of a round (its outer
-  gradient not finite) gets here with a zero outer gradient, still sends the
-  top of its decayed buffer and counts as a contributor, and ``diloco``
-  scales the average by the workers over those left in, which suits
-  ``"mean_over_workers"`` but not ``"mean_over_contributors"``: such a round
-  moves the global parameters by a wrong amount.
+  It is an :class:`~qsgd_jax.AverageOverParticipants`: ``update(deltas,
+  state, participating=False)`` on a worker leaves it out of the round (it
+  neither adds to its buffer nor sends into the average, and its buffer stays
+  as it was), as ``diloco`` does with a worker whose outer gradient is not
+  finite; the means are over the workers left in.
 
   Args:
     axis_name: the workers' axis (or axes), or ``None`` for one worker.
@@ -110,8 +108,8 @@ def sparseloco_average(
       more dimensions.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; ``update(deltas, state)``
-    returns the average, the same on every worker.
+    An :class:`~qsgd_jax.AverageOverParticipants`; ``update(deltas, state,
+    participating=True)`` returns the average, the same on every worker.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, qsgd_jax
@@ -147,27 +145,29 @@ def sparseloco_average(
         error=tuple(jnp.zeros(jnp.shape(x), jnp.float32) for x in jax.tree.leaves(params)),
         stats=stats.empty())
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, participating=True, **extra_args):
     del params, extra_args
     base.check_float_leaves(updates, _OWNER)
     layouts, compressors = codecs(updates)
     deltas, treedef = jax.tree.flatten(updates)
-    error = [error_decay * e + d.astype(jnp.float32)
+    # A worker left out keeps its buffer: what it encodes is not counted.
+    error = [jnp.where(participating, error_decay * e + d.astype(jnp.float32), e)
              for e, d in zip(state.error, deltas, strict=True)]
     out = exchange_lib.exchange(
         compressors, [blocks_lib.to_blocks(e, layout) for e, layout in zip(error, layouts,
                                                                            strict=True)],
-        jax.random.key(0), axis_name, aggregation, base.all_finite(deltas))
-    finite = out.all_finite
+        jax.random.key(0), axis_name, aggregation, base.all_finite(deltas), participating)
+    keep_sent = out.all_finite & participating
     new_error = tuple(
-        axes.as_varying(jnp.where(finite, e - blocks_lib.from_blocks(sent, layout), old),
+        axes.as_varying(jnp.where(keep_sent, e - blocks_lib.from_blocks(sent, layout), old),
                         axis_name)
         for e, sent, layout, old in zip(error, out.sent, layouts, state.error, strict=True))
-    averaged = [jnp.where(finite, blocks_lib.from_blocks(a, layout), jnp.nan).astype(d.dtype)
-                for a, layout, d in zip(out.averaged, layouts, deltas, strict=True)]
+    averaged = [
+        jnp.where(out.all_finite, blocks_lib.from_blocks(a, layout), jnp.nan).astype(d.dtype)
+        for a, layout, d in zip(out.averaged, layouts, deltas, strict=True)]
     size = 1 if parsed.is_local else math.prod(parsed.sizes(_OWNER))
     float32_bits = wire.float32_allreduce_bits(sum(d.size for d in deltas), size)
     return treedef.unflatten(averaged), SparseLoCoState(
         error=new_error, stats=stats.make(out.wire_bits, float32_bits, np.nan))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return participation.AverageOverParticipants(init_fn, update_fn)
