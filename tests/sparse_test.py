@@ -116,10 +116,23 @@ def test_wire_bits_are_the_analytic_count(options, shape, bits):
     (dict(k=2, value_dtype=jnp.float16), ValueError, "float16 overflows above 65504"),
     (dict(k=2, value_bits=3), ValueError, "value_bits must be None or one of"),
     (dict(k=2, chunk=0), ValueError, "chunk must be an int"),
+    (dict(k=2, value_bits=4, value_dtype=jnp.bfloat16), ValueError,
+     "value_dtype=bfloat16 is for values sent as floats, but value_bits=4"),
+    (dict(k=2, quantizer="bin_means"), ValueError,
+     "quantizer='bin_means' quantizes values, but value_bits=None"),
 ])
 def test_topk_refuses_bad_arguments(options, error, match):
   with pytest.raises(error, match=match):
     qsgd_jax.TopK(**options)
+
+
+def test_bfloat16_values_of_a_float16_leaf_stay_finite():
+  """float16's largest, 65504, is 65536 in bfloat16: it decodes to 65504, not inf."""
+  topk = qsgd_jax.TopK(k=2, chunk=4, value_dtype=jnp.bfloat16)
+  x = jnp.array([65504.0, -65504.0, 1.0, 0.0], jnp.float16)
+  decoded = topk.decode(topk.encode(jax.random.key(0), x))
+  assert decoded.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(decoded), [65504.0, -65504.0, 0.0, 0.0])
 
 
 def test_topk_refuses_integer_values():
@@ -519,5 +532,7 @@ def test_dgc_refuses_bad_arguments():
     qsgd_jax.scale_by_dgc(AXIS, warmup_densities=(0.25,))
   with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
     qsgd_jax.scale_by_dgc(AXIS, momentum=1.0)
-  with pytest.raises(ValueError, match=r"density must be a fraction in \(0, 1\]"):
-    qsgd_jax.scale_by_dgc(AXIS, warmup_densities=(2.0,), warmup_steps=1)
+  with pytest.raises(ValueError, match=r"warmup_densities\[1\] must be a fraction in \(0, 1\]"):
+    qsgd_jax.scale_by_dgc(AXIS, warmup_densities=(0.25, 2.0), warmup_steps=1)
+  with pytest.raises(ValueError, match="warmup_steps=100 without warmup_densities"):
+    qsgd_jax.scale_by_dgc(AXIS, warmup_steps=100)

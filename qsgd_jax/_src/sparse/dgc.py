@@ -135,6 +135,16 @@ def scale_by_dgc(
   """
   base.check_static_options(_OWNER, chunk=chunk, warmup_steps=warmup_steps)
   base.check_int_in_range(_OWNER, "chunk", chunk, 1, 2**24)
+  for i, warmup_density in enumerate(warmup_densities):
+    if (not isinstance(warmup_density, int | float) or isinstance(warmup_density, bool)
+        or not 0 < warmup_density <= 1):
+      raise ValueError(f"{_OWNER}: warmup_densities[{i}] must be a fraction in (0, 1], got "
+                       f"{warmup_density!r}.")
+  if warmup_steps and not warmup_densities:
+    raise ValueError(
+        f"{_OWNER}: warmup_steps={warmup_steps!r} without warmup_densities warms nothing up: "
+        "give the stages' densities too (the paper's: (0.25, 0.0625, 0.015625, 0.004)), or "
+        "leave warmup_steps at 0.")
   densities = (*warmup_densities, density)
   ks = tuple(kept_count(None, d, chunk, _OWNER) for d in densities)
   if not isinstance(momentum, int | float) or isinstance(momentum, bool) or not 0 <= momentum < 1:

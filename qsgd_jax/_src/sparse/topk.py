@@ -64,8 +64,10 @@ class TopK(base.Compressor):
       chunk))``.
     chunk: elements a chunk, in ``[1, 2**24]``.
     value_bits: ``None`` (values in ``value_dtype``), or 8, 4 or 2 bits a value.
-    value_dtype: ``jnp.float32`` or ``jnp.bfloat16``, with ``value_bits=None``.
-    quantizer: with ``value_bits``, ``"scaled"`` (per-chunk scales,
+    value_dtype: ``jnp.float32`` or ``jnp.bfloat16``, with ``value_bits=None``
+      only. A value rounded past a narrower leaf's largest (float16's 65504 in
+      bfloat16) decodes to that largest.
+    quantizer: with ``value_bits`` only, ``"scaled"`` (per-chunk scales,
       stochastic) or ``"bin_means"`` (SparseLoCo's).
 
   Examples:
@@ -113,6 +115,14 @@ class TopK(base.Compressor):
     object.__setattr__(self, "value_dtype", dtype)
     if self.quantizer not in _QUANTIZERS:
       raise ValueError(f"TopK: quantizer must be one of {_QUANTIZERS}, got {self.quantizer!r}.")
+    if self.value_bits is not None and dtype != np.dtype(jnp.float32):
+      raise ValueError(
+          f"TopK: value_dtype={dtype} is for values sent as floats, but value_bits="
+          f"{self.value_bits} sends them as codes: give one of the two.")
+    if self.value_bits is None and self.quantizer != "scaled":
+      raise ValueError(
+          f"TopK: quantizer={self.quantizer!r} quantizes values, but value_bits=None sends "
+          "them as floats: give value_bits (2, 4 or 8) with it.")
 
   @property
   def deterministic(self) -> bool:
@@ -166,7 +176,13 @@ class TopK(base.Compressor):
 
   def decode(self, payload: base.Payload) -> jax.Array:
     positions, kept = self.kept(payload)
-    return self.scattered(payload.shape, positions, kept).astype(payload.dtype)
+    decoded = self.scattered(payload.shape, positions, kept)
+    # A value of a narrower float that rounding took past its dtype's largest (65504 of
+    # float16 as bfloat16 is 65536) decodes to that largest, not to inf.
+    largest = float(jnp.finfo(payload.dtype).max)
+    if largest < float(jnp.finfo(jnp.float32).max):
+      decoded = jnp.where(jnp.isfinite(decoded), jnp.clip(decoded, -largest, largest), decoded)
+    return decoded.astype(payload.dtype)
 
   def support(self, payload: base.Payload) -> jax.Array:
     """``float32`` of ``payload.shape``: 1 where a position was kept, else 0."""
