@@ -88,7 +88,8 @@ def test_nodes_are_limited_between_them_and_free_inside_and_then_deleted():
     inside = _transfer(nodes, 0, 0)
     nodes.set_rate(None, 2)
     freed = _transfer(nodes, 1, 0)
-  assert between == pytest.approx(_RATE, rel=0.15)
+  # Limited: never above the rate; below it by as much as a loaded machine's threads lag.
+  assert 0.5 * _RATE <= between <= 1.15 * _RATE
   assert inside > 5 * _RATE and freed > 5 * _RATE
   assert not nodes.exists()
 

@@ -14,6 +14,13 @@ compressed and sent is the device's own and no bucket spans two shards.
 A leaf laid out over no axis beyond the transform's own is in the group of
 no axes, run as it is: under ``jax.pmap``, or a ``jax.shard_map`` manual over
 every mesh axis, every leaf is, and nothing changes.
+
+A leaf whole over an explicit axis (a LayerNorm scale over ``tensor``, or
+any leaf the model does not shard) is the same on every device along it:
+exchanged as it is, each of them sends all of it over the slow axis.
+:func:`spread` lays such a leaf out over those axes too, where one of its
+dimensions divides among them, so that each device sends its own part; what
+comes back is gathered over the fast axes by :func:`gather_back`.
 """
 
 import math
@@ -125,6 +132,61 @@ def own_shards(fn: Callable, shard_axes: tuple[str, ...], specs: Sequence[P], le
   specs = (list(specs), P(shard_axes), P())
   return jax.shard_map(fn, in_specs=specs, out_specs=specs,
                        axis_names=set(shard_axes))(list(leaves), per_device, shared)
+
+
+def spread(leaves: Sequence[Any]) -> tuple[list, list[P]]:
+  """The leaves laid out also over the explicit mesh axes they are whole over, where they can
+  be (by :func:`spread_spec`); and their specs before.
+
+  ``jax.sharding.reshard``: on each device a slice of what it holds, nothing
+  sent.
+
+  Returns:
+    ``(leaves, specs)``: the leaves, each laid out anew or as it was, and
+    each one's ``PartitionSpec`` as it was (for :func:`gather_back`).
+  """
+  out, before = [], []
+  for leaf in leaves:
+    spec = spec_of(leaf)
+    before.append(spec)
+    wider = spread_spec(leaf)
+    out.append(leaf if wider == spec else jax.sharding.reshard(leaf, wider))
+  return out, before
+
+
+def spread_spec(leaf) -> P:
+  """How :func:`spread` lays ``leaf`` (an array or a ``jax.ShapeDtypeStruct``) out.
+
+  A float leaf whole over explicit axes ``A`` (each of more than one device)
+  is laid out over them along its first dimension of the largest shard that
+  their device count ``|A|`` divides (their names after the mesh axes that
+  dimension is already laid out over). A leaf with no such dimension (a
+  scalar), any other leaf, and every leaf outside explicit sharding, keeps
+  its spec.
+  """
+  spec = spec_of(leaf)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not jax.numpy.issubdtype(jax.typeof(leaf).dtype, jax.numpy.floating):
+    return spec
+  used = {name for entry in spec for name in _names(entry)}
+  whole_over = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                     if kind == AxisType.Explicit and mesh.shape[name] > 1 and name not in used)
+  count = math.prod(mesh.shape[name] for name in whole_over)
+  shard = local_shape(jax.typeof(leaf).shape, spec)
+  fits = [d for d in range(len(shard)) if shard[d] % count == 0]
+  if not whole_over or not fits:
+    return spec
+  d = max(fits, key=lambda i: (shard[i], -i))
+  entries = list(spec)
+  entries[d] = (*_names(entries[d]), *whole_over)
+  return P(*entries)
+
+
+def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
+  """Each leaf laid out by its spec in ``specs`` again, as :func:`spread` found it (an
+  all-gather over the axes it spread it over; nothing for a leaf it left)."""
+  return [leaf if spec_of(leaf) == spec else jax.sharding.reshard(leaf, spec)
+          for leaf, spec in zip(leaves, specs, strict=True)]
 
 
 def _names(entry) -> tuple[str, ...]:

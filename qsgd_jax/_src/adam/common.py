@@ -34,8 +34,9 @@ class Leaves:
   """How each leaf of a gradient tree travels, decided from static shapes.
 
   Attributes:
-    sizes: each leaf's elements on one device (its own shard, on a mesh whose
-      model is sharded over other axes), in tree order.
+    sizes: each leaf's elements one device exchanges (its own shard, on a mesh
+      whose model is sharded over other axes, as ``shards.spread`` lays it
+      out), in tree order.
     kinds: ``"compressed"``, ``"float32"`` or ``"other"`` (not float) a leaf.
   """
 
@@ -88,7 +89,8 @@ def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
       kinds.append("compressed")
     else:
       kinds.append("float32")
-  sizes = tuple(math.prod(shards.local_shape(jnp.shape(leaf), shards.spec_of(leaf)))
+  # What a device exchanges of each: its part of the leaf as shards.spread lays it out.
+  sizes = tuple(math.prod(shards.local_shape(jnp.shape(leaf), shards.spread_spec(leaf)))
                 for leaf in leaves)
   return Leaves(sizes, tuple(kinds))
 
@@ -266,11 +268,16 @@ def statistic(nu_leaves: list[jax.Array], correction) -> jax.Array:
 
 
 def pmean_float32(leaves: list[jax.Array], axes: axes_lib.Axes) -> list[jax.Array]:
-  """Each leaf in float32, averaged over every axis by one ``jax.lax.pmean`` (as it is, locally)."""
+  """Each leaf in float32, averaged over every axis by one ``jax.lax.pmean`` (as it is, locally).
+
+  A leaf whole over explicit mesh axes is averaged in parts laid out over them
+  (:func:`qsgd_jax._src.shards.spread`): each device sends its part, not all of it.
+  """
   leaves = [leaf.astype(jnp.float32) for leaf in leaves]
   if axes.is_local or not leaves:
     return leaves
-  return jax.lax.pmean(leaves, axes.name)
+  leaves, specs = shards.spread(leaves)
+  return shards.gather_back(jax.lax.pmean(leaves, axes.name), specs)
 
 
 def inner_mean(leaves: list[jax.Array], axes: axes_lib.Axes) -> list[jax.Array]:

@@ -5,7 +5,9 @@ device holds whole leaves, and the exchange takes them whole, as DeepSpeed
 does. On a mesh whose model is sharded over other axes (``fsdp``,
 ``tensor``), a leaf is laid out over them and a device holds its shards
 only: the compressed leaves are grouped by the mesh axes they are laid out
-over (:func:`qsgd_jax._src.shards.group`), and each group's exchange runs on
+over (:func:`qsgd_jax._src.shards.group`; a leaf whole over some of them
+laid out over those too, :func:`qsgd_jax._src.shards.spread`, so that each
+device sends its part of it), and each group's exchange runs on
 each device's own shards, in a ``jax.shard_map`` manual over the group's
 axes. DeepSpeed's chunks are then cut from a device's shards, never from a
 whole leaf, so nothing is gathered over those axes, and what crosses the
@@ -93,6 +95,7 @@ def make_plan(compressed: list, sizes: tuple[int, ...], owner: str) -> ExchangeP
   """
   n = sizes[0] if sizes else 1
   m = math.prod(sizes[1:])
+  compressed, _ = shards.spread(compressed)
   groups = shards.group(compressed, owner)
   mesh = jax.sharding.get_abstract_mesh()
   layouts, counts = [], []
@@ -122,6 +125,7 @@ def initial_errors(params, leaves: common.Leaves, reduction_axes: axes_lib.Axes,
   compressed = [flat[i] for i in leaves.compressed]
   sizes = common.mapped_sizes(reduction_axes, axis_size, owner)
   exchange_plan = make_plan(compressed, sizes, owner)
+  spread, _ = shards.spread(compressed)
   worker, server = [], []
   for group, layout in zip(exchange_plan.groups, exchange_plan.layouts, strict=True):
 
@@ -131,7 +135,7 @@ def initial_errors(params, leaves: common.Leaves, reduction_axes: axes_lib.Axes,
                       jnp.zeros(layout.server_error_shape().shape, jnp.float32)), ()
 
     _, (worker_error, server_error), _ = shards.own_shards(
-        zeros, group.axes, group.specs, [compressed[i] for i in group.members])
+        zeros, group.axes, group.specs, [spread[i] for i in group.members])
     worker.append(worker_error)
     server.append(server_error)
   errors = (tuple(worker), tuple(server))
@@ -183,6 +187,7 @@ def exchange(exchange_plan: ExchangePlan, vectors: list, worker_error: tuple,
   Returns:
     A :class:`GroupsExchanged`.
   """
+  vectors, specs = shards.spread(vectors)
   out, worker, server = list(vectors), [], []
   nonfinite = jnp.float32(0)
   for group, group_worker, group_server in zip(exchange_plan.groups, worker_error,
@@ -197,7 +202,8 @@ def exchange(exchange_plan: ExchangePlan, vectors: list, worker_error: tuple,
     worker.append(new_worker)
     server.append(new_server)
     nonfinite = nonfinite + group_nonfinite
-  return GroupsExchanged(out, tuple(worker), tuple(server), nonfinite == 0)
+  return GroupsExchanged(shards.gather_back(out, specs), tuple(worker), tuple(server),
+                         nonfinite == 0)
 
 
 def _own_shards_exchange(vectors, errors, shared, *, reduction_axes, sizes, shard_axes):

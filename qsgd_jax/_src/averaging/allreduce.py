@@ -131,7 +131,11 @@ def compressed_allreduce(
   compresses each device's own shard: the leaves laid out over the same
   axes form a group, quantized on their shards in a ``jax.shard_map`` manual
   over those axes too, so that no bucket spans two shards and nothing is
-  gathered over them. ``min_compressed_size`` applies to whole leaves; the
+  gathered over them. A float leaf whole over some of those axes (a
+  LayerNorm scale, a bias) is first laid out over them along a dimension
+  they divide, so that each device sends its part of it, not all of it, and
+  its mean is all-gathered back over them (the fast links).
+  ``min_compressed_size`` applies to whole leaves; the
   residuals are each device's own, along ``axis_name`` and the group's
   axes; each shard draws its own rounding; one scalar all-reduce a group,
   over every axis, tells every device of any non-finite value. Under
@@ -242,7 +246,7 @@ def compressed_allreduce(
 
   def init_fn(params):
     axis_sizes = allreduce_checks.axis_sizes(axis_name, given_axis_sizes)
-    leaves = jax.tree.leaves(params)
+    leaves, _ = shards.spread(jax.tree.leaves(params))
 
     def zeros(group_leaves, per_device, shared, shard_axes):
       del per_device, shared
@@ -270,6 +274,7 @@ def compressed_allreduce(
     if axis_name is not None:
       axes.check_not_in_apply_if_finite(_OWNER, axis_name, _APPLY_IF_FINITE_AFTER)
     leaves, treedef = jax.tree.flatten(updates)
+    leaves, specs = shards.spread(leaves)
     groups = shards.group(leaves, _OWNER)
     plans = [make_plan([jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(leaves[i]), spec),
                                              jnp.result_type(leaves[i]))
@@ -308,6 +313,7 @@ def compressed_allreduce(
           out[i] = mean
         local_error, chunk_error = local_error + list(new_local), chunk_error + list(new_chunk)
         nonfinite, elias_bits = nonfinite + group_nonfinite, elias_bits + group_elias
+      out = shards.gather_back(out, specs)
       # A NaN or inf on one device must reach every device, as through lax.pmean.
       finite = nonfinite == 0
       mean = treedef.unflatten([jnp.where(finite, x, jnp.nan).astype(x.dtype)
@@ -329,8 +335,8 @@ def compressed_allreduce(
 
     def full_precision(_):
       # As the reduction does: integer leaves in their dtype, float0 ones left alone.
-      mean = (jax.tree.map(lambda x: _full_precision_mean(x, axis_name), updates)
-              if not local else updates)
+      mean = updates if local else treedef.unflatten(shards.gather_back(
+          [_full_precision_mean(x, axis_name) for x in leaves], specs))
       return (mean, axes.as_varying(state.local_error, axis_name),
               axes.as_varying(state.chunk_error, axis_name),
               stats.make(float32_bits, float32_bits, state.stats.elias_bits,
