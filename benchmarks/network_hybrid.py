@@ -16,11 +16,9 @@ The modes (:data:`MODES`): float32 AdamW as the compiler runs it (a plain
 ``jax.jit`` over the mesh, its float32 all-reduce of each device's shard
 across the groups placed by XLA), the baseline; bfloat16 and 4-bit QSGD with
 error feedback through ``qsgd_jax.data_parallel``, each device compressing
-its own shard; and DiLoCo, a worker a data group, H = 20, its outer gradients
-4-bit QSGD with error feedback, for twice the steps. 1-bit Adam does not run
-under ``hybrid`` in this branch (its update reshapes a leaf sharded over the
-model's axes, which JAX refuses without an ``out_sharding``), so it is not
-among them.
+its own shard; 1-bit Adam, float32 until its freeze at step 40 and then each
+device's shard's signs; and DiLoCo, a worker a data group, H = 20, its outer
+gradients 4-bit QSGD with error feedback, for twice the steps.
 
 Everything else is Part 5's (``network_lm.py``, whose machinery runs this
 part): ``configs/network.py`` (6.6M parameters, one 64-byte sequence a data
@@ -46,6 +44,7 @@ MODES = {
     "bf16": network_lm.MODES["bf16"],
     "qsgd4_ef": ("AdamW, 4-bit QSGD all-reduce with error feedback, each device its shard",
                  ["--optimizer=adamw", "--average=qsgd4_ef"]),
+    "onebit_adam": network_lm.MODES["onebit_adam"],
     "diloco": (f"DiLoCo, a worker a data group, H = {network_lm.SYNC_EVERY}, 4-bit QSGD outer"
                " gradients with error feedback", network_lm.MODES["diloco"][1]),
 }

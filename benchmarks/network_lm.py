@@ -5,8 +5,10 @@ default: one a core here) of one CPU device each, over the namespace's shaped
 loopback (``network.py``), on ``configs/network.py``: a model whose float32
 gradient all-reduce is 0.21 s on the wire of its 0.48 s step at 1 Gbit/s a
 node, and most of its 2.3 s step at 100 Mbit/s.
-Five AdamW-family optimizers (:data:`DEFAULT_MODES`) train it from the same seeds on
-the same batches; ``diloco`` and ``diloco_streaming`` train DiLoCo on them, each
+Seven optimizers (:data:`DEFAULT_MODES`: AdamW over a float32, bfloat16,
+PowerSGD or top-k all-reduce, 1-bit Adam, 0/1 Adam and DeMo) train it from
+the same seeds on the same batches;
+``diloco``, ``diloco_streaming`` and ``sparseloco`` train DiLoCo on them, each
 process a worker (:data:`DILOCO_MODES`, run when ``--lm-modes`` names them),
 for ``--lm-diloco-steps`` (twice as many: its loss a step is worse), and are
 also compared with their own run on a free link (``--lm-rates unthrottled``,
@@ -50,6 +52,11 @@ MODES = {
                       ["--optimizer=zero_one_adam"]),
     "powersgd": ("AdamW, PowerSGD all-reduce (rank 4)",
                  ["--optimizer=adamw", "--average=powersgd"]),
+    "topk_ef": ("AdamW, top-k all-gather (1% of each chunk of 1,024) with error feedback",
+                ["--optimizer=adamw", "--average=topk_ef"]),
+    "demo": ("DeMo: 24 DCT components of each 64 x 64 block of the momentum, bfloat16 values",
+             ["--optimizer=demo", "--config.learning_rate=0.003", "--config.demo_decay=0.99",
+              "--config.demo_k=24", "--config.demo_value_dtype=bfloat16"]),
     "diloco": (f"DiLoCo, a worker a process, H = {SYNC_EVERY}, 4-bit QSGD outer gradients with"
                " error feedback",
                ["--optimizer=diloco", "--average=fp32", f"--config.sync_every={SYNC_EVERY}",
@@ -58,6 +65,10 @@ MODES = {
                          ["--optimizer=diloco", "--average=fp32",
                           f"--config.sync_every={SYNC_EVERY}", "--config.outer_average=qsgd4_ef",
                           "--config.fragments=2", "--config.fragment_delay=1"]),
+    "sparseloco": ("DiLoCo as diloco, SparseLoCo's outer average: top-k (1.56% of each block) "
+                   "of each worker's error feedback, 2-bit values, all-gathered",
+                   ["--optimizer=diloco", "--average=fp32", f"--config.sync_every={SYNC_EVERY}",
+                    "--config.outer_average=sparseloco"]),
 }
 
 

@@ -238,6 +238,27 @@ def test_an_update_over_automatic_model_axes_is_an_error():
 
 
 @pytest.mark.slow
+def test_top_k_with_error_feedback_gathers_each_devices_shard_across_the_data_axis():
+  """The sparse exchange on the hybrid mesh: each device's top-k of its own part of each leaf,
+  all-gathered over the data axis alone; the parameters keep their layout and every data group
+  the same bits."""
+  mesh = _mesh()
+  topk = qsgd_jax.TopK(density=1 / 16, chunk=64, value_bits=8)
+  tx = optax.chain(qsgd_jax.compressed_allreduce(topk, "data", error_feedback=True,
+                                                 min_compressed_size=0), optax.sgd(0.1))
+  params, state, hlo, _ = _run(tx, mesh)
+  assert _specs(params) == SPECS
+  _data_replicas_agree(params)
+  assert not _payloads_crossing_model_axes(hlo, mesh)
+  # What crosses is what the transform counts (its payloads, of each device's quarter of the
+  # model), to within the step's scalars.
+  across = qsgd_jax.wire_bytes(hlo, mesh=mesh, across="data")
+  assert abs(float(state[0].stats.wire_bits) / 8 - across) <= 16
+  float32_across, _ = _float32_bytes(mesh)
+  assert across * 20 <= float32_across
+
+
+@pytest.mark.slow
 def test_diloco_keeps_a_copy_a_data_group_laid_out_as_the_params():
   mesh = _mesh()
   average = qsgd_jax.qsgd("data", bits=4, error_feedback=True)

@@ -153,6 +153,17 @@ def test_reductions_that_sum_payloads_refuse_sparse_ones():
     _pmap(psum_scatter)(jnp.ones((WORKERS, 8192)))
 
 
+def test_chunks_that_do_not_divide_a_leaf_are_said_once():
+  tx = qsgd_jax.compressed_allreduce(qsgd_jax.TopK(k=3, chunk=64), AXIS, min_compressed_size=0)
+  tree = {"a": np.ones((WORKERS, 100), np.float32), "b": np.ones((WORKERS, 128), np.float32)}
+  state = _pmap(tx.init)(tree)
+  with pytest.warns(UserWarning, match=r"chunks of 64 do not divide 1 of the 2 leaves it "
+                    r"encodes \(of 100 elements on a device\): each is zero-padded to whole "
+                    r"chunks \(28 elements of padding against the 228 encoded\), and its last "
+                    r"chunk still sends k=3"):
+    jax.block_until_ready(_pmap(tx.update)(tree, state))
+
+
 def test_the_two_averages():
   """Worker 0 keeps elements 0 and 1, worker 1 elements 1 and 2: over the workers, element 1
   is their sum over 2; over its contributors, their mean, and elements 0 and 2 their own."""

@@ -48,12 +48,15 @@ class ShardGroup(NamedTuple):
   specs: tuple[P, ...]
 
 
-def group(leaves: Sequence[Any], owner: str) -> tuple[ShardGroup, ...]:
+def group(leaves: Sequence[Any], owner: str,
+          specs: Sequence[P] | None = None) -> tuple[ShardGroup, ...]:
   """The leaves grouped by the mesh axes they are laid out over, beyond the manual ones.
 
   Args:
     leaves: arrays (traced or not) or ``jax.ShapeDtypeStruct``.
     owner: the caller, named in errors.
+    specs: each leaf's ``PartitionSpec`` if not its own (:func:`spec_of`):
+      :func:`spread_spec`'s, to plan an exchange of leaves spread later.
 
   Returns:
     The groups, those of fewer axes first (a group of no axes first of all);
@@ -78,7 +81,7 @@ def group(leaves: Sequence[Any], owner: str) -> tuple[ShardGroup, ...]:
           "jax.shard_map manual over them too.")
   by_axes: dict[tuple[str, ...], list[tuple[int, P]]] = {}
   for i, leaf in enumerate(leaves):
-    spec = spec_of(leaf)
+    spec = spec_of(leaf) if specs is None else specs[i]
     used = {name for entry in spec for name in _names(entry)}
     shard_axes = tuple(name for name in mesh.axis_names if name in used) if used else ()
     by_axes.setdefault(shard_axes, []).append((i, spec))
@@ -158,11 +161,11 @@ def spread_spec(leaf) -> P:
   """How :func:`spread` lays ``leaf`` (an array or a ``jax.ShapeDtypeStruct``) out.
 
   A float leaf whole over explicit axes ``A`` (each of more than one device)
-  is laid out over them along its first dimension of the largest shard that
-  their device count ``|A|`` divides (their names after the mesh axes that
-  dimension is already laid out over). A leaf with no such dimension (a
-  scalar), any other leaf, and every leaf outside explicit sharding, keeps
-  its spec.
+  is laid out over them along the dimension whose length on a device is the
+  largest that their device count ``|A|`` divides (the first of equals; their
+  names after the mesh axes that dimension is already laid out over). A leaf
+  with no such dimension (a scalar), any other leaf, and every leaf outside
+  explicit sharding, keeps its spec.
   """
   spec = spec_of(leaf)
   mesh = jax.sharding.get_abstract_mesh()

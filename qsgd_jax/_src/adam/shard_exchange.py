@@ -86,7 +86,8 @@ class GroupsExchanged(NamedTuple):
 
 
 def make_plan(compressed: list, sizes: tuple[int, ...], owner: str) -> ExchangePlan:
-  """The :class:`ExchangePlan` of the compressed leaves (arrays, traced or not).
+  """The :class:`ExchangePlan` of the compressed leaves (arrays, traced or not), each laid
+  out as :func:`qsgd_jax._src.shards.spread` will lay it out for the exchange.
 
   Args:
     compressed: the compressed leaves, in tree order.
@@ -95,8 +96,7 @@ def make_plan(compressed: list, sizes: tuple[int, ...], owner: str) -> ExchangeP
   """
   n = sizes[0] if sizes else 1
   m = math.prod(sizes[1:])
-  compressed, _ = shards.spread(compressed)
-  groups = shards.group(compressed, owner)
+  groups = shards.group(compressed, owner, [shards.spread_spec(x) for x in compressed])
   mesh = jax.sharding.get_abstract_mesh()
   layouts, counts = [], []
   for group in groups:

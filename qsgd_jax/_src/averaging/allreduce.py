@@ -286,6 +286,7 @@ def compressed_allreduce(
       axes.check_varying(updates, plans[0].axes, "compressed_allreduce")
     allreduce_checks.check_residual_shapes(plans, groups, state, axis_size)
     allreduce_checks.warn_if_little_is_compressed(plans)
+    allreduce_checks.warn_if_chunks_pad(plans)
     next_key, step_key = jax.random.split(state.key)
     local = plans[0].axes.is_local if plans else True
     n, m = (plans[0].outer_size, plans[0].inner_size) if plans else (1, 1)

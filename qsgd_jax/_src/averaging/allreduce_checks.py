@@ -66,8 +66,8 @@ def axis_sizes(axis_name, given: dict[str, int]) -> dict[str, int | None]:
   return sizes
 
 
-# Plans already warned about, so that each tree is warned about once.
-_WARNED: set[tuple[plan.ReductionPlan, ...]] = set()
+# Plans already warned about (with what), so that each tree is warned about once.
+_WARNED: set = set()
 
 
 def warn_if_little_is_compressed(plans) -> None:
@@ -86,3 +86,34 @@ def warn_if_little_is_compressed(plans) -> None:
       f"{100 * (1 - compressed / total):.0f}% travel in float32 and the step saves little "
       f"(the largest leaf has {largest} elements). Lower min_compressed_size to quantize "
       "smaller leaves.", stacklevel=3)
+
+
+def warn_if_chunks_pad(plans) -> None:
+  """Warns, once a tree, when a sparse compressor's chunks do not divide leaves it encodes.
+
+  Each such leaf is zero-padded to whole chunks (so that no chunk spans two
+  leaves), and its last chunk still sends ``k`` elements: a leaf much
+  smaller than a chunk goes far denser than the density asked for.
+  """
+  plans = tuple(plans)
+  padded = [(math.prod(group_plan.leaf_shapes[i]), group_plan.compressor)
+            for group_plan in plans for i in group_plan.compressed
+            if getattr(group_plan.compressor, "gather_only", False)
+            and math.prod(group_plan.leaf_shapes[i]) % group_plan.compressor.chunk]
+  if (plans, "chunks") in _WARNED or not padded:
+    return
+  _WARNED.add((plans, "chunks"))
+  compressor = padded[0][1]
+  padding = sum(-size % c.chunk for size, c in padded)
+  encoded = sum(math.prod(group_plan.leaf_shapes[i]) for group_plan in plans
+                for i in group_plan.compressed)
+  sizes = sorted({size for size, _ in padded})
+  leaves = sum(len(group_plan.compressed) for group_plan in plans)
+  warnings.warn(
+      f"compressed_allreduce: {type(compressor).__name__}'s chunks of {compressor.chunk} do "
+      f"not divide {len(padded)} of the {leaves} leaves it encodes (of "
+      f"{', '.join(map(str, sizes[:5]))}{', ...' if len(sizes) > 5 else ''} elements on a "
+      f"device): each is zero-padded to whole chunks ({padding} elements of padding against "
+      f"the {encoded} encoded), and its last chunk still sends k={compressor.k}, so those "
+      "leaves go denser than asked. A chunk that divides them sends no padding; "
+      "min_compressed_size above the small ones sends those in float32.", stacklevel=3)
