@@ -96,24 +96,22 @@ def warn_if_chunks_pad(plans) -> None:
   smaller than a chunk goes far denser than the density asked for.
   """
   plans = tuple(plans)
-  padded = [(math.prod(group_plan.leaf_shapes[i]), group_plan.compressor)
-            for group_plan in plans for i in group_plan.compressed
-            if getattr(group_plan.compressor, "gather_only", False)
-            and math.prod(group_plan.leaf_shapes[i]) % group_plan.compressor.chunk]
+  if not plans or not getattr(plans[0].compressor, "gather_only", False):
+    return
+  compressor = plans[0].compressor  # One compressor, whichever group.
+  encoded_sizes = [math.prod(group_plan.leaf_shapes[i]) for group_plan in plans
+              for i in group_plan.compressed]
+  padded = [size for size in encoded_sizes if size % compressor.chunk]
   if (plans, "chunks") in _WARNED or not padded:
     return
   _WARNED.add((plans, "chunks"))
-  compressor = padded[0][1]
-  padding = sum(-size % c.chunk for size, c in padded)
-  encoded = sum(math.prod(group_plan.leaf_shapes[i]) for group_plan in plans
-                for i in group_plan.compressed)
-  sizes = sorted({size for size, _ in padded})
-  leaves = sum(len(group_plan.compressed) for group_plan in plans)
+  padding = sum(-size % compressor.chunk for size in padded)
+  sizes = sorted(set(padded))
   warnings.warn(
       f"compressed_allreduce: {type(compressor).__name__}'s chunks of {compressor.chunk} do "
-      f"not divide {len(padded)} of the {leaves} leaves it encodes (of "
+      f"not divide {len(padded)} of the {len(encoded_sizes)} leaves it encodes (of "
       f"{', '.join(map(str, sizes[:5]))}{', ...' if len(sizes) > 5 else ''} elements on a "
       f"device): each is zero-padded to whole chunks ({padding} elements of padding against "
-      f"the {encoded} encoded), and its last chunk still sends k={compressor.k}, so those "
-      "leaves go denser than asked. A chunk that divides them sends no padding; "
+      f"the {sum(encoded_sizes)} encoded), and its last chunk still sends k={compressor.k}, so "
+      "those leaves go denser than asked. A chunk that divides them sends no padding; "
       "min_compressed_size above the small ones sends those in float32.", stacklevel=3)

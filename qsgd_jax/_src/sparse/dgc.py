@@ -11,7 +11,7 @@ import optax
 
 from qsgd_jax._src import axes, base, stats, wire
 from qsgd_jax._src.sparse import exchange as exchange_lib
-from qsgd_jax._src.sparse.topk import TopK, kept_count
+from qsgd_jax._src.sparse.topk import TopK, check_fraction, kept_count
 
 _OWNER = "qsgd_jax.scale_by_dgc"
 # A non-finite step is always skipped (optax.apply_if_finite's count never runs out).
@@ -136,10 +136,7 @@ def scale_by_dgc(
   base.check_static_options(_OWNER, chunk=chunk, warmup_steps=warmup_steps)
   base.check_int_in_range(_OWNER, "chunk", chunk, 1, 2**24)
   for i, warmup_density in enumerate(warmup_densities):
-    if (not isinstance(warmup_density, int | float) or isinstance(warmup_density, bool)
-        or not 0 < warmup_density <= 1):
-      raise ValueError(f"{_OWNER}: warmup_densities[{i}] must be a fraction in (0, 1], got "
-                       f"{warmup_density!r}.")
+    check_fraction(_OWNER, f"warmup_densities[{i}]", warmup_density)
   if warmup_steps and not warmup_densities:
     raise ValueError(
         f"{_OWNER}: warmup_steps={warmup_steps!r} without warmup_densities warms nothing up: "

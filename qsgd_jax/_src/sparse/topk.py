@@ -214,10 +214,15 @@ def kept_count(k, density, chunk: int, owner: str) -> int:
     raise ValueError(f"{owner}: give exactly one of k and density, got k={k!r}, "
                      f"density={density!r}.")
   if density is not None:
-    if (not isinstance(density, int | float) or isinstance(density, bool)
-        or not 0 < density <= 1):
-      raise ValueError(f"{owner}: density must be a fraction in (0, 1], got {density!r}.")
+    check_fraction(owner, "density", density)
     return max(1, round(density * chunk))
   if not isinstance(k, int | np.integer) or isinstance(k, bool) or not 1 <= k <= chunk:
     raise ValueError(f"{owner}: k must be an int in (0, chunk] = [1, {chunk}], got {k!r}.")
   return int(k)
+
+
+def check_fraction(owner: str, name: str, value) -> None:
+  """Raises ``ValueError`` naming ``owner`` and ``name`` unless ``value`` is a number in
+  ``(0, 1]``."""
+  if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+    raise ValueError(f"{owner}: {name} must be a fraction in (0, 1], got {value!r}.")
