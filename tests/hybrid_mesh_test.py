@@ -12,6 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qsgd_jax
+from qsgd_jax._src import shards
 
 AXES = ("data", "fsdp", "tensor")
 MODEL = ("fsdp", "tensor")
@@ -110,6 +111,34 @@ def test_a_float32_average_is_the_compilers_step_sending_a_share_of_each_leaf():
   # mean, the non-finite flag).
   quarter = sum(np.prod(shape) for shape in SHAPES.values()) / 4
   assert 4 * quarter <= qsgd_jax.wire_bytes(hlo, mesh=mesh, across="data") <= 4 * quarter + 16
+
+
+def test_gather_back_undoes_the_spread_in_one_all_gather_a_set_of_axes_and_dtype():
+  # A data group's devices: the model axes alone (the data axis is manual where this runs).
+  mesh = jax.make_mesh((2, 2), MODEL, axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  whole = NamedSharding(mesh, P())
+  leaves = [*_params(mesh).values(), jax.device_put(jnp.ones((8, 32)), whole),
+            jax.device_put(jnp.arange(128, dtype=jnp.bfloat16), whole)]
+
+  @jax.jit
+  def round_trip(leaves):
+    spread, specs = shards.spread(leaves)
+    assert [shards.spec_of(x) for x in spread] == [
+        *EXCHANGED.values(), P(None, ("fsdp", "tensor")), P(("fsdp", "tensor"))]
+    return shards.gather_back(spread, specs)
+
+  with jax.set_mesh(mesh):
+    out = round_trip(leaves)
+    hlo = round_trip.lower(leaves).compile().as_text()
+  chex.assert_trees_all_equal(out, leaves)
+  assert [shards.spec_of(x) for x in out] == [shards.spec_of(x) for x in leaves]
+  # Spread over tensor: w1's piece; over fsdp: b's; over both: float32 scale's and the (8, 32)
+  # leaf's, joined, and the bfloat16 leaf's. An all-gather for each set of axes and dtype (w2
+  # is sharded over both already), each gathering [devices, pieces' elements].
+  gathers = sorted(c.result_type.split("{")[0].split("[")[1]
+                   for c in qsgd_jax.collectives_in_hlo(hlo) if c.kind == "all-gather")
+  assert gathers == ["2,16]", "2,4096]", "4,32]", "4,80]"], gathers
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ dimensions divides among them, so that each device sends its own part; what
 comes back is gathered over the fast axes by :func:`gather_back`.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -186,10 +187,49 @@ def spread_spec(leaf) -> P:
 
 
 def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
-  """Each leaf laid out by its spec in ``specs`` again, as :func:`spread` found it (an
-  all-gather over the axes it spread it over; nothing for a leaf it left)."""
-  return [leaf if spec_of(leaf) == spec else jax.sharding.reshard(leaf, spec)
-          for leaf, spec in zip(leaves, specs, strict=True)]
+  """Each leaf laid out by its spec in ``specs`` again, as :func:`spread` found it.
+
+  One all-gather over the axes :func:`spread` added, for all the leaves it
+  spread over the same axes in the same dtype (their pieces flattened and
+  joined): a collective for each such set rather than one a leaf, most of
+  which would gather a LayerNorm's few hundred elements. A leaf it left is
+  returned as it is.
+  """
+  out = list(leaves)
+  by_gather: dict[tuple, list[tuple[int, int, tuple[str, ...]]]] = {}
+  for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):
+    now = spec_of(leaf)
+    if now == spec:
+      continue
+    (d, added), = [(d, _names(now[d])[len(_names(spec[d])):]) for d in range(len(spec))
+                   if now[d] != spec[d]]
+    by_gather.setdefault((added, jax.typeof(leaf).dtype), []).append((i, d, now))
+  for (added, _), members in by_gather.items():
+    manual = {name for _, _, now in members for entry in now for name in _names(entry)}
+    gathered = jax.shard_map(
+        functools.partial(_gather_pieces, added, [d for _, d, _ in members]),
+        in_specs=([now for _, _, now in members],),
+        out_specs=[specs[i] for i, _, _ in members],
+        axis_names=manual)([leaves[i] for i, _, _ in members])
+    for (i, _, _), leaf in zip(members, gathered, strict=True):
+      out[i] = leaf
+  return out
+
+
+def _gather_pieces(axes: tuple[str, ...], dims: Sequence[int], pieces: list) -> list:
+  """Each device's pieces, each laid out over ``axes`` along its dimension in ``dims``, whole
+  again: one all-gather of them all, joined, then each piece's ``len(axes)`` parts put back
+  along its dimension in the order of the devices along ``axes``."""
+  joined = jax.numpy.concatenate([piece.reshape(-1) for piece in pieces])
+  parts = jax.lax.all_gather(joined, axes, to="invarying")  # [devices along axes, joined]
+  out, start = [], 0
+  for piece, d in zip(pieces, dims, strict=True):
+    of_piece = parts[:, start:start + piece.size].reshape(parts.shape[0], *piece.shape)
+    whole = list(piece.shape)
+    whole[d] *= parts.shape[0]
+    out.append(jax.numpy.moveaxis(of_piece, 0, d).reshape(whole))
+    start += piece.size
+  return out
 
 
 def _names(entry) -> tuple[str, ...]:
