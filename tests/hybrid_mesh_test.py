@@ -303,6 +303,50 @@ def test_diloco_keeps_a_copy_a_data_group_laid_out_as_the_params():
               if c.crosses(mesh, MODEL) and c.result_type.startswith(("u32", "(u32"))]
 
 
+@pytest.mark.slow
+def test_demo_exchanges_the_top_components_of_each_devices_own_part():
+  """DeMo on the hybrid mesh: each device's momentum is laid out as its parameters, the DCT's
+  blocks are of its own part, and only their top components cross the data axis."""
+  mesh = _mesh()
+  tx = qsgd_jax.demo(1e-2, "data", chunk=8, k=4)
+  params, state, hlo, abstract_state = _run(tx, mesh)
+  assert _specs(params) == SPECS
+  demo_state = state[0]
+  assert _specs_in_the_group(demo_state.momentum) == _specs_of_leaves(SPECS)
+  _data_replicas_agree(params)
+  assert not _payloads_crossing_model_axes(hlo, mesh)
+  across = qsgd_jax.wire_bytes(hlo, mesh=mesh, across="data")
+  assert abs(float(demo_state.stats.wire_bits) / 8 - across) <= 16
+  # 4 of each 64-element block, a 6-bit index and a float32 value each: about a tenth of the
+  # float32 average's bytes.
+  float32_across, _ = _float32_bytes(mesh)
+  assert across * 8 <= float32_across
+  chex.assert_trees_all_equal_shapes(abstract_state, state)
+
+
+@pytest.mark.slow
+def test_sparseloco_keeps_its_error_feedback_laid_out_as_the_params():
+  mesh = _mesh()
+  average = qsgd_jax.sparseloco_average("data", density=1 / 16, chunk=8)
+  tx = qsgd_jax.diloco(optax.adam(1e-2), "data", sync_every=2, outer_optimizer=optax.sgd(1.0),
+                       average=average)
+  params, state, hlo, _ = _run(tx, mesh, steps=3)
+  assert _specs(state.global_params) == SPECS
+  _data_replicas_agree(state.global_params)
+  (fragment,) = state.fragments
+  error = fragment.average_state.error
+  assert _specs_in_the_group(error) == _specs_of_leaves(SPECS)
+  assert float(jnp.abs(error[0]).sum()) > 0  # What a round left unsent.
+  assert not _payloads_crossing_model_axes(hlo, mesh)
+
+
+def _specs_of_leaves(specs):
+  """The ``PartitionSpec`` of each leaf of a dict of the params, in the order of its leaves
+  (as :func:`_specs_in_the_group` gives them, ``None`` for a whole dimension)."""
+  return tuple(P(*(spec or (None,))) for spec in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P)))
+
+
 # The library's other families: the compressed Adams, PowerSGD and decentralized SGD.
 
 

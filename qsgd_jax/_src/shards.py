@@ -190,10 +190,10 @@ def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
   """Each leaf laid out by its spec in ``specs`` again, as :func:`spread` found it.
 
   One all-gather over the axes :func:`spread` added, for all the leaves it
-  spread over the same axes in the same dtype (their pieces flattened and
-  joined): a collective for each such set rather than one a leaf, most of
-  which would gather a LayerNorm's few hundred elements. A leaf it left is
-  returned as it is.
+  spread over the same axes in the same dtype, typed varying over the same
+  manual axes (their pieces flattened and joined): a collective for each such
+  set rather than one a leaf, most of which would gather a LayerNorm's few
+  hundred elements. A leaf it left is returned as it is.
   """
   out = list(leaves)
   by_gather: dict[tuple, list[tuple[int, int, tuple[str, ...]]]] = {}
@@ -203,8 +203,11 @@ def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
       continue
     (d, added), = [(d, _names(now[d])[len(_names(spec[d])):]) for d in range(len(spec))
                    if now[d] != spec[d]]
-    by_gather.setdefault((added, jax.typeof(leaf).dtype), []).append((i, d, now))
-  for (added, _), members in by_gather.items():
+    # Leaves typed varying over different manual axes are gathered apart, each keeping its own.
+    manual = jax.typeof(leaf).manual_axis_type
+    varying = frozenset(manual.varying) if manual is not None else frozenset()
+    by_gather.setdefault((added, jax.typeof(leaf).dtype, varying), []).append((i, d, now))
+  for (added, _, _), members in by_gather.items():
     manual = {name for _, _, now in members for entry in now for name in _names(entry)}
     gathered = jax.shard_map(
         functools.partial(_gather_pieces, added, [d for _, d, _ in members]),
@@ -214,6 +217,62 @@ def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
     for (i, _, _), leaf in zip(members, gathered, strict=True):
       out[i] = leaf
   return out
+
+
+def map_spread(fn: Callable, columns: Sequence[Sequence[Any]], owner: str, shared=()):
+  """``fn`` on each device's own parts of parallel lists of leaves, spread, then gathered back.
+
+  The way of a transform whose state is laid out as the leaves it averages
+  (error feedback, a momentum) and whose exchange is in one piece a device:
+  the leaves are spread (:func:`spread`), grouped by the axes they are then
+  laid out over (:func:`group`), and ``fn`` runs on each group's shards with
+  those axes manual (:func:`own_shards`); what it returns is gathered back
+  (:func:`gather_back`, one collective for all), laid out as ``columns``.
+  Outside explicit sharding this is ``fn`` on all the leaves at once.
+
+  Args:
+    fn: ``fn(members, columns, shared) -> (columns, ok)``: given the indices
+      of a group's leaves, a list a column of this device's parts of them and
+      ``shared``, returns a list a column of arrays of those parts' shapes
+      (as many columns as ``columns``) and ``ok``, a ``bool[]``, its parts'.
+    columns: lists of leaves, the ``i``-th of each of the same shape and
+      layout.
+    owner: the caller, named in errors.
+    shared: a pytree of arrays the same on every device of the model axes.
+
+  Returns:
+    ``(columns, ok)``: ``fn``'s columns, each leaf laid out as in
+    ``columns``, and ``ok`` of every part on every device, ``bool[]``.
+  """
+  spread_columns = [spread(column) for column in columns]
+  specs = spread_columns[0][1]
+  out = [list(column) for column, _ in spread_columns]
+  ok = jax.numpy.bool_(True)
+  for part in group(out[0], owner):
+    results, _, parts_ok = own_shards(
+        functools.partial(_on_parts, fn, len(columns), part.members, part.axes), part.axes,
+        part.specs * len(columns), [column[i] for column in out for i in part.members], (),
+        shared)
+    count = len(part.members)
+    for c, column in enumerate(out):
+      for j, i in enumerate(part.members):
+        column[i] = results[c * count + j]
+    ok = ok & parts_ok
+  gathered = gather_back([leaf for column in out for leaf in column], specs * len(columns))
+  width = len(specs)
+  return [gathered[c * width:(c + 1) * width] for c in range(len(columns))], ok
+
+
+def _on_parts(fn: Callable, num_columns: int, members: tuple[int, ...],
+              axes: tuple[str, ...], leaves: list, per_device, shared):
+  """:func:`map_spread`'s ``fn`` for :func:`own_shards`: its columns end to end in one list."""
+  del per_device
+  count = len(members)
+  given = [leaves[c * count:(c + 1) * count] for c in range(num_columns)]
+  results, parts_ok = fn(members, given, shared)
+  if axes:  # Every part of a leaf must say so: the same ok on every device of axes.
+    parts_ok = jax.lax.pmin(parts_ok.astype(jax.numpy.int32), axes) > 0
+  return [leaf for column in results for leaf in column], (), parts_ok
 
 
 def _gather_pieces(axes: tuple[str, ...], dims: Sequence[int], pieces: list) -> list:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qsgd_jax._src import axes, base, stats, wire
+from qsgd_jax._src import axes, base, shards, stats, wire
 from qsgd_jax._src.sparse import blocks as blocks_lib
 from qsgd_jax._src.sparse import exchange as exchange_lib
 from qsgd_jax._src.sparse.topk import TopK
@@ -144,7 +144,7 @@ def scale_by_demo(
     codecs(params)  # A bad matrix_view fails here.
     return ScaleByDemoState(
         count=jnp.zeros((), jnp.int32),
-        momentum=tuple(jnp.zeros(jnp.shape(x), jnp.float32) for x in jax.tree.leaves(params)),
+        momentum=tuple(jnp.zeros_like(x, jnp.float32) for x in jax.tree.leaves(params)),
         stats=stats.empty())
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -154,20 +154,34 @@ def scale_by_demo(
       axes.check_not_in_apply_if_finite(
           _OWNER, axis_name, "It skips a non-finite step on every device together: put "
           "optax.apply_if_finite after it in the chain, as qsgd_jax.demo does.")
-    layouts, compressors = codecs(updates)
     grads, treedef = jax.tree.flatten(updates)
+    # Blocks of each device's own part of a leaf (shards.map_spread): none spans two.
+    layouts, compressors = codecs(treedef.unflatten([
+        jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(g), shards.spread_spec(g)),
+                             jnp.float32) for g in grads]))
     rate = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    momentum = [decay * m + rate * g.astype(jnp.float32)
-                for m, g in zip(state.momentum, grads, strict=True)]
-    coefficients = [blocks_lib.dct(blocks_lib.to_blocks(m, layout), layout)
-                    for m, layout in zip(momentum, layouts, strict=True)]
-    out = exchange_lib.exchange(compressors, coefficients, jax.random.key(0), axis_name,
-                                "mean_over_contributors", base.all_finite(grads))
-    kept = [m - blocks_lib.from_blocks(blocks_lib.inverse_dct(sent, layout), layout)
-            for m, sent, layout in zip(momentum, out.sent, layouts, strict=True)]
-    directions = [jnp.sign(blocks_lib.from_blocks(blocks_lib.inverse_dct(a, layout), layout))
-                  for a, layout in zip(out.averaged, layouts, strict=True)]
-    finite = out.all_finite
+    wire_bits = []
+
+    def exchange_parts(members, columns, shared):
+      del shared
+      parts, momenta = columns
+      momentum = [decay * m + rate * g.astype(jnp.float32)
+                  for m, g in zip(momenta, parts, strict=True)]
+      coefficients = [blocks_lib.dct(blocks_lib.to_blocks(m, layouts[i]), layouts[i])
+                      for m, i in zip(momentum, members, strict=True)]
+      out = exchange_lib.exchange([compressors[i] for i in members], coefficients,
+                                  jax.random.key(0), axis_name, "mean_over_contributors",
+                                  base.all_finite(parts))
+      wire_bits.append(out.wire_bits)
+      kept = [m - blocks_lib.from_blocks(blocks_lib.inverse_dct(sent, layouts[i]), layouts[i])
+              for m, sent, i in zip(momentum, out.sent, members, strict=True)]
+      directions = [
+          jnp.sign(blocks_lib.from_blocks(blocks_lib.inverse_dct(a, layouts[i]), layouts[i]))
+          for a, i in zip(out.averaged, members, strict=True)]
+      return [directions, kept], out.all_finite
+
+    (directions, kept), finite = shards.map_spread(
+        exchange_parts, [grads, state.momentum], _OWNER)
     directions = [jnp.where(finite, d, jnp.nan).astype(g.dtype)
                   for d, g in zip(directions, grads, strict=True)]
     # A skipped step keeps the momentum, as it was before this step's gradient.
@@ -178,7 +192,7 @@ def scale_by_demo(
     return treedef.unflatten(directions), ScaleByDemoState(
         count=jnp.where(finite, optax.safe_increment(state.count), state.count),
         momentum=new_momentum,
-        stats=stats.make(out.wire_bits, float32_bits, np.nan))
+        stats=stats.make(sum(wire_bits), float32_bits, np.nan))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

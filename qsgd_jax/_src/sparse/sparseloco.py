@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qsgd_jax._src import axes, base, participation, stats, wire
+from qsgd_jax._src import axes, base, participation, shards, stats, wire
 from qsgd_jax._src.sparse import blocks as blocks_lib
 from qsgd_jax._src.sparse import exchange as exchange_lib
 from qsgd_jax._src.sparse.topk import TopK, kept_count
@@ -142,32 +142,45 @@ def sparseloco_average(
     base.check_float_leaves(params, _OWNER)
     codecs(params)
     return SparseLoCoState(
-        error=tuple(jnp.zeros(jnp.shape(x), jnp.float32) for x in jax.tree.leaves(params)),
+        error=tuple(jnp.zeros_like(x, jnp.float32) for x in jax.tree.leaves(params)),
         stats=stats.empty())
 
   def update_fn(updates, state, params=None, *, participating=True, **extra_args):
     del params, extra_args
     base.check_float_leaves(updates, _OWNER)
-    layouts, compressors = codecs(updates)
     deltas, treedef = jax.tree.flatten(updates)
-    # A worker left out keeps its buffer: what it encodes is not counted.
-    error = [jnp.where(participating, error_decay * e + d.astype(jnp.float32), e)
-             for e, d in zip(state.error, deltas, strict=True)]
-    out = exchange_lib.exchange(
-        compressors, [blocks_lib.to_blocks(e, layout) for e, layout in zip(error, layouts,
-                                                                           strict=True)],
-        jax.random.key(0), axis_name, aggregation, base.all_finite(deltas), participating)
-    keep_sent = out.all_finite & participating
-    new_error = tuple(
-        axes.as_varying(jnp.where(keep_sent, e - blocks_lib.from_blocks(sent, layout), old),
-                        axis_name)
-        for e, sent, layout, old in zip(error, out.sent, layouts, state.error, strict=True))
-    averaged = [
-        jnp.where(out.all_finite, blocks_lib.from_blocks(a, layout), jnp.nan).astype(d.dtype)
-        for a, layout, d in zip(out.averaged, layouts, deltas, strict=True)]
+    # Blocks of each device's own part of a leaf (shards.map_spread): none spans two.
+    layouts, compressors = codecs(treedef.unflatten([
+        jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(d), shards.spread_spec(d)),
+                             jnp.float32) for d in deltas]))
+    wire_bits = []
+
+    def exchange_parts(members, columns, taking_part):
+      parts, errors = columns
+      # A worker left out keeps its buffer: what it encodes is not counted.
+      error = [jnp.where(taking_part, error_decay * e + d.astype(jnp.float32), e)
+               for e, d in zip(errors, parts, strict=True)]
+      out = exchange_lib.exchange(
+          [compressors[i] for i in members],
+          [blocks_lib.to_blocks(e, layouts[i]) for e, i in zip(error, members, strict=True)],
+          jax.random.key(0), axis_name, aggregation, base.all_finite(parts), taking_part)
+      wire_bits.append(out.wire_bits)
+      averaged = [blocks_lib.from_blocks(a, layouts[i])
+                  for a, i in zip(out.averaged, members, strict=True)]
+      kept = [e - blocks_lib.from_blocks(sent, layouts[i])
+              for e, sent, i in zip(error, out.sent, members, strict=True)]
+      return [averaged, kept], out.all_finite
+
+    (averaged, kept), all_finite = shards.map_spread(
+        exchange_parts, [deltas, state.error], _OWNER, jnp.asarray(participating))
+    keep_sent = all_finite & participating
+    new_error = tuple(axes.as_varying(jnp.where(keep_sent, e, old), axis_name)
+                      for e, old in zip(kept, state.error, strict=True))
+    averaged = [jnp.where(all_finite, a, jnp.nan).astype(d.dtype)
+                for a, d in zip(averaged, deltas, strict=True)]
     size = 1 if parsed.is_local else math.prod(parsed.sizes(_OWNER))
     float32_bits = wire.float32_allreduce_bits(sum(d.size for d in deltas), size)
     return treedef.unflatten(averaged), SparseLoCoState(
-        error=new_error, stats=stats.make(out.wire_bits, float32_bits, np.nan))
+        error=new_error, stats=stats.make(sum(wire_bits), float32_bits, np.nan))
 
   return participation.AverageOverParticipants(init_fn, update_fn)
