@@ -238,7 +238,10 @@ def map_spread(fn: Callable, columns: Sequence[Sequence[Any]], owner: str, share
     columns: lists of leaves, the ``i``-th of each of the same shape and
       layout.
     owner: the caller, named in errors.
-    shared: a pytree of arrays the same on every device of the model axes.
+    shared: a pytree of arrays the same on every device of the model axes:
+      any array ``fn`` needs (a traced learning rate) comes in here, not from
+      its closure (``jax.shard_map`` does not close over explicitly sharded
+      values).
 
   Returns:
     ``(columns, ok)``: ``fn``'s columns, each leaf laid out as in

@@ -162,8 +162,7 @@ def scale_by_demo(
     rate = learning_rate(state.count) if callable(learning_rate) else learning_rate
     wire_bits = []
 
-    def exchange_parts(members, columns, shared):
-      del shared
+    def exchange_parts(members, columns, rate):
       parts, momenta = columns
       momentum = [decay * m + rate * g.astype(jnp.float32)
                   for m, g in zip(momenta, parts, strict=True)]
@@ -181,7 +180,7 @@ def scale_by_demo(
       return [directions, kept], out.all_finite
 
     (directions, kept), finite = shards.map_spread(
-        exchange_parts, [grads, state.momentum], _OWNER)
+        exchange_parts, [grads, state.momentum], _OWNER, jnp.asarray(rate, jnp.float32))
     directions = [jnp.where(finite, d, jnp.nan).astype(g.dtype)
                   for d, g in zip(directions, grads, strict=True)]
     # A skipped step keeps the momentum, as it was before this step's gradient.
