@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import sparse_reference
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -339,6 +340,50 @@ def test_sparseloco_keeps_its_error_feedback_laid_out_as_the_params():
   assert _specs_in_the_group(error) == _specs_of_leaves(SPECS)
   assert float(jnp.abs(error[0]).sum()) > 0  # What a round left unsent.
   assert not _payloads_crossing_model_axes(hlo, mesh)
+
+
+def test_sparseloco_on_a_sharded_model_is_sparseloco_py_on_each_devices_part():
+  """Two rounds of SparseLoCo's outer average over the data axis, the model laid out over fsdp
+  (w) or over nothing (b): each device's part of each leaf (a quarter of its columns, w spread
+  over tensor too and b over both) averaged as ``sparseloco.py`` averages a whole leaf."""
+  mesh = _mesh(AxisType.Explicit)
+  specs = {"b": P(), "w": P(None, "fsdp")}
+  rng = np.random.default_rng(3)
+  deltas = {"b": rng.normal(size=(2, 32)).astype(np.float32),
+            "w": rng.normal(size=(2, 8, 64)).astype(np.float32)}
+  tx = qsgd_jax.sparseloco_average("data", density=0.1, chunk=8, error_decay=0.9)
+
+  def two_rounds(deltas):
+    state = tx.init(jax.tree.map(lambda x: x[0], deltas))
+    averages = []
+    for scale in (1.0, 2.0):
+      average, state = tx.update(jax.tree.map(lambda x, scale=scale: scale * x[0], deltas), state)
+      averages.append(average)
+    return averages, [e[None] for e in state.error]
+
+  with jax.set_mesh(mesh):
+    given = {name: jax.device_put(x, NamedSharding(mesh, P("data", *specs[name])))
+             for name, x in deltas.items()}
+    averages, errors = jax.jit(jax.shard_map(
+        two_rounds, in_specs=P("data"), out_specs=(P(), P("data")),
+        axis_names={"data"}))(given)
+  # Device (f, t)'s part: the quarter 2f + t of the leaf's columns.
+  for part in range(4):
+    def of_part(x, part=part):
+      width = x.shape[-1] // 4
+      return x[..., part * width:(part + 1) * width]
+    expected_errors = [[np.zeros(8), np.zeros((8, 16))] for _ in range(2)]
+    for round_index, scale in enumerate((1.0, 2.0)):
+      expected, expected_errors = sparse_reference.sparseloco_round(
+          expected_errors, [[scale * of_part(deltas[name][w]) for name in ("b", "w")]
+                            for w in range(2)], density=0.1, chunk=8, bits=2, decay=0.9)
+      for name, want in zip(("b", "w"), expected, strict=True):
+        np.testing.assert_allclose(of_part(np.asarray(averages[round_index][name])), want,
+                                   rtol=1e-5, atol=1e-6)
+    for w in range(2):
+      for got, want in zip(errors, expected_errors[w], strict=True):
+        np.testing.assert_allclose(of_part(np.asarray(got)[w]), want, rtol=1e-5, atol=1e-5)
+  assert [shards.spec_of(x) for x in jax.tree.leaves(averages[0])] == [P(None), P(None, "fsdp")]
 
 
 def _specs_of_leaves(specs):

@@ -13,6 +13,7 @@ of each row of the mesh and the bytes the node's link sent during each psum
 import json
 import pathlib
 import sys
+import time
 
 import jax
 import numpy as np
@@ -21,6 +22,18 @@ from jax.sharding import PartitionSpec as P
 
 LINK_TX_BYTES = pathlib.Path("/sys/class/net/uplink/statistics/tx_bytes")
 ELEMENTS = 2**18  # 1 MiB of float32 a device.
+
+
+def _settled_tx_bytes(wait_seconds: float = 0.05, at_most: int = 40) -> int:
+  """The link's ``tx_bytes`` once it stops growing: a psum is done on this process when it has
+  received its peer's last chunk, and its own last one may still be leaving."""
+  now = int(LINK_TX_BYTES.read_text())
+  for _ in range(at_most):
+    time.sleep(wait_seconds)
+    now, before = int(LINK_TX_BYTES.read_text()), now
+    if now == before:
+      break
+  return now
 
 
 def main(address: str, process_id: int, out_prefix: str) -> None:
@@ -39,7 +52,7 @@ def main(address: str, process_id: int, out_prefix: str) -> None:
     jax.block_until_ready(summed(values))  # Compiled, and gloo's connections made.
     before = int(LINK_TX_BYTES.read_text())
     result = jax.block_until_ready(summed(values))
-    sent[axis] = int(LINK_TX_BYTES.read_text()) - before
+    sent[axis] = _settled_tx_bytes() - before
     assert float(result.addressable_data(0)[0]) == 2.0
   rows = [sorted({device.process_index for device in row}) for row in mesh.devices]
   pathlib.Path(f"{out_prefix}{process_id}.json").write_text(
