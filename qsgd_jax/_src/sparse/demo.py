@@ -81,7 +81,11 @@ def scale_by_demo(
   ``chunk``; a vector into runs of at most ``chunk``. Each block's orthonormal
   2-d DCT-II keeps its ``k`` largest coefficients (fewer in a smaller block:
   all of it). ``demo.py`` handles only vectors and matrices; the view of a
-  leaf of more dimensions is this library's choice.
+  leaf of more dimensions is this library's choice. On a mesh whose model is
+  laid out over other axes (explicit, or the compiler's inside a
+  ``jax.shard_map`` manual over ``axis_name``), the blocks are of each
+  device's own part of a leaf, a leaf whole over some model axes split among
+  them, and the momentum is laid out as the parameters are.
 
   On the wire: one all-gather of every leaf's payload (:class:`~qsgd_jax.TopK`
   of a block: ``k`` positions of :math:`\lceil \log_2 (hw) \rceil` bits and

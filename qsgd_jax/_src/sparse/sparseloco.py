@@ -76,7 +76,11 @@ def sparseloco_average(
   the density the same in every block, as ``sparseloco.py`` rescales its
   ``top_k`` (lines 416-424). ``diloco`` hands it a tuple of leaves, so
   ``matrix_view`` sees the leaves' index as their path: the default
-  ``(prod(shape[:-1]), shape[-1])`` view.
+  ``(prod(shape[:-1]), shape[-1])`` view. On a mesh whose model is laid out
+  over other axes (explicit, or the compiler's inside a ``jax.shard_map``
+  manual over the workers' axis), the blocks are of each device's own part
+  of a leaf, a leaf whole over some model axes split among them, and the
+  buffer is laid out as the leaves are.
 
   On the wire: one all-gather of every leaf's payload, a kept element
   :math:`\lceil \log_2 (hw) \rceil + b` bits (14 in a 64 x 64 block at 2
