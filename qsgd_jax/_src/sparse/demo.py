@@ -82,8 +82,8 @@ def scale_by_demo(
   2-d DCT-II keeps its ``k`` largest coefficients (fewer in a smaller block:
   all of it). ``demo.py`` handles only vectors and matrices; the view of a
   leaf of more dimensions is this library's choice. On a mesh whose model is
-  laid out over other axes (explicit, or the compiler's inside a
-  ``jax.shard_map`` manual over ``axis_name``), the blocks are of each
+  laid out over other axes (explicit axes, as
+  :func:`~qsgd_jax.data_parallel` runs the update), the blocks are of each
   device's own part of a leaf, a leaf whole over some model axes split among
   them, and the momentum is laid out as the parameters are.
 

@@ -77,8 +77,8 @@ def sparseloco_average(
   ``top_k`` (lines 416-424). ``diloco`` hands it a tuple of leaves, so
   ``matrix_view`` sees the leaves' index as their path: the default
   ``(prod(shape[:-1]), shape[-1])`` view. On a mesh whose model is laid out
-  over other axes (explicit, or the compiler's inside a ``jax.shard_map``
-  manual over the workers' axis), the blocks are of each device's own part
+  over other axes (explicit axes, as :func:`~qsgd_jax.data_parallel` runs
+  the update), the blocks are of each device's own part
   of a leaf, a leaf whole over some model axes split among them, and the
   buffer is laid out as the leaves are.
 
