@@ -252,11 +252,15 @@ def test_a_batch_that_does_not_split_over_the_data_groups_is_an_error():
     qsgd_jax.data_parallel(_loss, tx, mesh, "data", batch_axes="data")
 
 
-def test_an_update_over_automatic_model_axes_is_an_error():
+@pytest.mark.parametrize("make", [
+    lambda: qsgd_jax.qsgd("data"),
+    lambda: qsgd_jax.scale_by_demo(1e-2, "data", chunk=8, k=4),
+    lambda: qsgd_jax.sparseloco_average("data", chunk=8)], ids=["qsgd", "demo", "sparseloco"])
+def test_an_update_over_automatic_model_axes_is_an_error(make):
   """Inside a shard_map manual over the data axis alone, the compiler's layout of the other
   axes is unknown: the transform says how to make it known rather than gather the leaves."""
   mesh = _mesh()
-  tx = qsgd_jax.qsgd("data")
+  tx = make()
 
   def train_step(params, x):
     grads = jax.grad(_loss)(qsgd_jax.as_varying(params, "data"), x)
