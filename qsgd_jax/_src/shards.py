@@ -186,6 +186,12 @@ def spread_spec(leaf) -> P:
   return P(*entries)
 
 
+def spread_shape(leaf) -> tuple[int, ...]:
+  """The shape of one device's part of ``leaf`` (an array or a ``jax.ShapeDtypeStruct``) as
+  :func:`spread` lays it out: what a device encodes and sends of it."""
+  return local_shape(jax.typeof(leaf).shape, spread_spec(leaf))
+
+
 def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
   """Each leaf laid out by its spec in ``specs`` again, as :func:`spread` found it.
 
@@ -208,12 +214,12 @@ def gather_back(leaves: Sequence[Any], specs: Sequence[P]) -> list:
     varying = frozenset(manual.varying) if manual is not None else frozenset()
     by_gather.setdefault((added, jax.typeof(leaf).dtype, varying), []).append((i, d, now))
   for (added, _, _), members in by_gather.items():
-    manual = {name for _, _, now in members for entry in now for name in _names(entry)}
+    laid_out_over = {name for _, _, now in members for entry in now for name in _names(entry)}
     gathered = jax.shard_map(
         functools.partial(_gather_pieces, added, [d for _, d, _ in members]),
         in_specs=([now for _, _, now in members],),
         out_specs=[specs[i] for i, _, _ in members],
-        axis_names=manual)([leaves[i] for i, _, _ in members])
+        axis_names=laid_out_over)([leaves[i] for i, _, _ in members])
     for (i, _, _), leaf in zip(members, gathered, strict=True):
       out[i] = leaf
   return out

@@ -90,8 +90,7 @@ def leaves_of(tree, min_compressed_size: int, compression_mask) -> Leaves:
     else:
       kinds.append("float32")
   # What a device exchanges of each: its part of the leaf as shards.spread lays it out.
-  sizes = tuple(math.prod(shards.local_shape(jnp.shape(leaf), shards.spread_spec(leaf)))
-                for leaf in leaves)
+  sizes = tuple(math.prod(shards.spread_shape(leaf)) for leaf in leaves)
   return Leaves(sizes, tuple(kinds))
 
 

@@ -100,7 +100,7 @@ def warn_if_chunks_pad(plans) -> None:
     return
   compressor = plans[0].compressor  # One compressor, whichever group.
   encoded_sizes = [math.prod(group_plan.leaf_shapes[i]) for group_plan in plans
-              for i in group_plan.compressed]
+                   for i in group_plan.compressed]
   padded = [size for size in encoded_sizes if size % compressor.chunk]
   if (plans, "chunks") in _WARNED or not padded:
     return

@@ -160,9 +160,8 @@ def scale_by_demo(
           "optax.apply_if_finite after it in the chain, as qsgd_jax.demo does.")
     grads, treedef = jax.tree.flatten(updates)
     # Blocks of each device's own part of a leaf (shards.map_spread): none spans two.
-    layouts, compressors = codecs(treedef.unflatten([
-        jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(g), shards.spread_spec(g)),
-                             jnp.float32) for g in grads]))
+    layouts, compressors = codecs(treedef.unflatten(
+        [jax.ShapeDtypeStruct(shards.spread_shape(g), jnp.float32) for g in grads]))
     rate = learning_rate(state.count) if callable(learning_rate) else learning_rate
     wire_bits = []
 

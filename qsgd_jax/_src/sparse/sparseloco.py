@@ -154,9 +154,8 @@ def sparseloco_average(
     base.check_float_leaves(updates, _OWNER)
     deltas, treedef = jax.tree.flatten(updates)
     # Blocks of each device's own part of a leaf (shards.map_spread): none spans two.
-    layouts, compressors = codecs(treedef.unflatten([
-        jax.ShapeDtypeStruct(shards.local_shape(jnp.shape(d), shards.spread_spec(d)),
-                             jnp.float32) for d in deltas]))
+    layouts, compressors = codecs(treedef.unflatten(
+        [jax.ShapeDtypeStruct(shards.spread_shape(d), jnp.float32) for d in deltas]))
     wire_bits = []
 
     def exchange_parts(members, columns, taking_part):
