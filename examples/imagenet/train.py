@@ -449,8 +449,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     resumed from, or 0), ``final_train_loss`` (the mean of the last logging
     window), ``eval_accuracy``, ``wire_bytes_per_step`` (what one device sends
     for the gradients each step), ``fp32_wire_bytes_per_step`` (the same for a
-    float32 all-reduce), their ratio, the bytes read from the compiled HLO, and
-    timings of this process's steps.
+    float32 all-reduce), their ratio, the bytes read from the compiled HLO
+    (``hlo_wire_bytes_per_step``, every branch of its conditionals added;
+    ``hlo_wire_bytes_least`` and ``_most``, the lightest and heaviest step:
+    a warm-up's compressed step and its float32 one), and timings of this
+    process's steps.
 
   Raises:
     RunError: the run cannot go on (a :class:`NonFiniteLossError`, or no
@@ -488,6 +491,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
     train_step = mapped.train_step if multiprocess_pmap else compiled_step
     hlo_bytes = wire_bytes_from_hlo(compiled_step)
+    by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
     compile_seconds = time.perf_counter() - start
     num_devices = jax.device_count()
     # XLA's CPU collectives give up after a while: one step at a time there.
@@ -575,6 +579,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "elias_wire_bytes_per_step": _finite_or_none(last.get("elias_wire_bytes")),
       "hlo_wire_bytes_per_step": sum(hlo_bytes.values()),
       "hlo_wire_bytes_by_collective": hlo_bytes,
+      # A warm-up's conditional sends one branch a step: its lightest and heaviest steps.
+      "hlo_wire_bytes_least": by_branch.least,
+      "hlo_wire_bytes_most": by_branch.most,
       "skipped_nonfinite_steps": nonfinite.skipped,
       "steps_per_second": (num_steps - first_step) / train_seconds if train_seconds else None,
       "train_seconds": train_seconds,

@@ -15,6 +15,7 @@ from examples.imagenet.configs import smoke
 REQUIRED_SUMMARY_KEYS = (
     "steps", "final_train_loss", "eval_accuracy", "wire_bytes_per_step",
     "fp32_wire_bytes_per_step", "compression_ratio", "hlo_wire_bytes_per_step",
+    "hlo_wire_bytes_least", "hlo_wire_bytes_most",
 )
 REQUIRED_METRICS = ("loss", "accuracy", "steps_per_second", "wire_bytes", "compression_ratio")
 
@@ -98,6 +99,8 @@ def test_train_and_evaluate_writes_metrics_and_summary(tmp_path):
   assert math.isfinite(written["final_train_loss"])
   assert 0.0 <= written["eval_accuracy"] <= 1.0
   assert written["wire_bytes_per_step"] < written["fp32_wire_bytes_per_step"]
+  assert (0 < written["hlo_wire_bytes_least"] <= written["hlo_wire_bytes_most"]
+          <= written["hlo_wire_bytes_per_step"])
 
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
   train_records = [r for r in records if "loss" in r]
