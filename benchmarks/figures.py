@@ -248,6 +248,18 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
   return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def _digits_hlo_cell(run: dict, fp32: dict, warmup: int) -> str:
+  """A digits run's bytes a step read from its compiled program, against float32's: its
+  lightest step's, and where a warm-up's float32 steps send more, theirs besides (a run
+  recorded before these two were kept reads every branch added)."""
+  least = run.get("hlo_wire_bytes_least", run["hlo_wire_bytes_per_step"])
+  most = run.get("hlo_wire_bytes_most", least)
+  cell = f"{least:,.0f} ({fp32['hlo_wire_bytes_per_step'] / least:.1f}x"
+  if "hlo_wire_bytes_least" not in run and warmup and run["compression"] != "fp32":
+    return cell + ", every branch of the warm-up's switch)"
+  return cell + (")" if most == least else f"; the warm-up's steps {most:,.0f})")
+
+
 def sparse_table(results: pathlib.Path = RESULTS) -> str:
   """The sparse family's measurements (the optimizers guide, the results page), or ``""``.
 
@@ -279,10 +291,7 @@ def sparse_table(results: pathlib.Path = RESULTS) -> str:
             f"| {name} | {spread['mean']:.1%} ({spread['min']:.1%}-{spread['max']:.1%}) "
             f"| {run['wire_bytes_per_step']:,.0f} "
             f"({base['wire_bytes_per_step'] / run['wire_bytes_per_step']:.1f}x) "
-            f"| {run['hlo_wire_bytes_per_step']:,.0f} "
-            f"({base['hlo_wire_bytes_per_step'] / run['hlo_wire_bytes_per_step']:.1f}x"
-            + (", every branch of the warm-up's switch)" if warmup and mode != "fp32" else ")")
-            + " |")
+            f"| {_digits_hlo_cell(run, base, warmup)} |")
     seeds = reference["eval_accuracy"]["runs"]
     lines += ["", f"ResNet-8 on digits, 8 simulated devices, {seeds} seeds, the mean accuracy "
               "and its range; one held-out digit is 0.28%. HLO bytes include BatchNorm's "
@@ -353,8 +362,8 @@ FRONT_ROWS = (
      "qsgd4", None, None),
     ("element-wise: 1-bit SGD", "`onebit_sgd(axis)`, ResNet-8 on digits", "digits_comparison",
      "onebit", None, None),
-    ("sparse: top-k 1%", "`compressed_allreduce(TopK(0.01), axis, error_feedback=True)`, digits",
-     "digits_sparse", "topk_ef", None, None),
+    ("sparse: top-k 1%", "`compressed_allreduce(TopK(0.01), axis, error_feedback=True,"
+     " warmup_steps=22)`, digits", "digits_sparse_warmup22", "topk_ef", None, None),
     ("sparse: DeMo", "`demo(lr, axis, k=24, decay=0.99, value_dtype=jnp.bfloat16)`, GPT",
      "lm_sparse", "demo+learning_rate=0.003+demo_decay=0.99+demo_k=24+demo_value_dtype=bfloat16",
      "network_2proc_lm_sparse", "demo"),
@@ -366,10 +375,11 @@ FRONT_ROWS = (
      " `qsgd(\"data\", bits=4, error_feedback=True)`, GPT", "lm_hybrid", "qsgd4_ef",
      "network_2proc_lm_hybrid", "qsgd4_ef"),
     ("local updates: DiLoCo", "`diloco(adamw, axis, sync_every=20)`, 4-bit outer average, GPT",
-     "lm_diloco", "diloco+fp32", "network_2proc_lm_diloco", "diloco"),
+     "lm_diloco", "diloco+fp32+num_train_steps=4800+warmup_steps=480", "network_2proc_lm_diloco",
+     "diloco"),
     ("local updates: SparseLoCo", "`diloco(..., average=sparseloco_average(axis))`, GPT",
-     "lm_diloco", "diloco+fp32+outer_average=sparseloco", "network_2proc_lm_sparse",
-     "sparseloco"),
+     "lm_diloco", "diloco+fp32+outer_average=sparseloco+num_train_steps=4800+warmup_steps=480",
+     "network_2proc_lm_sparse", "sparseloco"),
 )
 FRONT_BEGIN = ("<!-- The front page's table: made by python benchmarks/figures.py from"
                " benchmarks/results. -->")
@@ -386,9 +396,14 @@ def _front_cells(results: pathlib.Path, name: str, mode: str) -> tuple[str, str]
   if "modes" in report:  # examples/imagenet/compare.py: accuracy over seeds.
     if mode not in report["modes"]:
       return None
-    # A baseline the file lacks is the digits comparison's (the same example and config).
-    reference = _load(results / "digits_comparison.json") or {"modes": {}}
-    runs = {**reference["modes"], **report["modes"]}
+    # A baseline the file lacks is the digits comparison's (the same config); for the sparse
+    # comparisons (a warm-up's file has none), the float32 run trained alongside them first.
+    references = ["digits_comparison"] + (["digits_sparse"] if name.startswith("digits_sparse")
+                                          else [])
+    runs = {}
+    for reference in references:
+      runs |= (_load(results / f"{reference}.json") or {"modes": {}})["modes"]
+    runs |= report["modes"]
     sent = {m: r["runs"][0]["wire_bytes_per_step"] for m, r in runs.items()}
     accuracy = {m: r["eval_accuracy"]["mean"] for m, r in runs.items()}
     difference = " / ".join(f"{100 * (accuracy[mode] - accuracy[b]):+.1f}"
@@ -410,8 +425,11 @@ def _front_cells(results: pathlib.Path, name: str, mode: str) -> tuple[str, str]
   else:
     sent = {m: r["wire_bytes_per_step"] or r["hlo_wire_bytes_per_step"] for m, r in runs.items()}
     ratios = [sent[b] / sent[mode] for b in BASELINES]
-  difference = " / ".join(f"{run['eval_loss'] - runs[b]['eval_loss']:+.3f}"
-                         if b in runs else "-" for b in BASELINES)
+  if "bytes_per_step" in run:  # The DiLoCo sweep: against data parallel trained as long.
+    gaps = [run.get(f"eval_loss_minus_{b}") for b in BASELINES]
+  else:
+    gaps = [run["eval_loss"] - runs[b]["eval_loss"] if b in runs else None for b in BASELINES]
+  difference = " / ".join("-" if gap is None else f"{gap:+.3f}" for gap in gaps)
   return (" / ".join(_times(r) for r in ratios),
           f"{run['eval_loss']:.3f} nats a byte ({difference}), {run['steps']} steps")
 
