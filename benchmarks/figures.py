@@ -31,7 +31,7 @@ left out):
   bytes a step before and after the compressed Adams' freeze,
   ``modes[MODE].steps[t].wire_bytes`` and ``.loss``.
 
-* ``digits_sparse*.json`` and ``lm_sparse.json`` (``examples/imagenet/compare.py`` and
+* ``digits_sparse*.json`` and ``lm_sparse*.json`` (``examples/imagenet/compare.py`` and
   ``examples/lm/compare.py``, the sparse modes): ``headline_sparse.md``, the optimizers guide's
   table of top-k, DGC and DeMo.
 * ``lm_diloco.json`` (``python benchmarks/diloco_sweep.py``): the DiLoCo table,
@@ -267,7 +267,7 @@ def sparse_table(results: pathlib.Path = RESULTS) -> str:
   ``comparison.json``, one file a setting of ``topk_warmup_steps``): the accuracy over the
   seeds and the bytes a device sends a step, by the optimizer's account (the last step's) and
   in the compiled program's collectives (BatchNorm's statistics included), against the file's
-  (or the first file's) fp32 run. Language-model rows from ``lm_sparse.json``
+  (or the first file's) fp32 run. Language-model rows from every ``lm_sparse*.json``
   (``examples/lm/compare.py``'s): the held-out loss and the bytes a step against the fp32 run
   of as many steps.
   """
@@ -296,10 +296,12 @@ def sparse_table(results: pathlib.Path = RESULTS) -> str:
     lines += ["", f"ResNet-8 on digits, 8 simulated devices, {seeds} seeds, the mean accuracy "
               "and its range; one held-out digit is 0.28%. HLO bytes include BatchNorm's "
               "statistics, 9,450 bytes a step in every mode.", ""]
-  lm = _load(results / "lm_sparse.json")
-  if lm is not None:
+  lm_files = sorted(results.glob("lm_sparse*.json"))
+  if lm_files:
     lines += ["| language model | steps | held-out loss (vs fp32 AdamW) "
               "| bytes a step (vs fp32 AdamW) |", "|---|---|---|---|"]
+  for path in lm_files:  # Each file's runs against its own fp32 run of as many steps.
+    lm = json.loads(path.read_text())
     baselines = {run["steps"]: run for run in lm["runs"] if run["mode"].split("+")[0] == "fp32"}
     for run in lm["runs"]:
       base = baselines.get(run["steps"])
@@ -309,6 +311,7 @@ def sparse_table(results: pathlib.Path = RESULTS) -> str:
       ratio = "-" if base is None else f"{base['wire_bytes_per_step'] / sent:.1f}x"
       lines.append(f"| `{run['mode']}` | {run['steps']} | {run['eval_loss']:.3f} ({versus}) "
                    f"| {sent:,.0f} ({ratio}) |")
+  if lm_files:
     lines += ["", "`examples/lm/configs/small.py` on 8 simulated devices, one seed; DeMo"
               " (`--config.optimizer=demo`) against AdamW after a float32 average, trained as"
               " long.", ""]
@@ -365,8 +368,9 @@ FRONT_ROWS = (
     ("sparse: top-k 1%", "`compressed_allreduce(TopK(0.01), axis, error_feedback=True,"
      " warmup_steps=22)`, digits", "digits_sparse_warmup22", "topk_ef", None, None),
     ("sparse: DeMo", "`demo(lr, axis, k=24, decay=0.99, value_dtype=jnp.bfloat16)`, GPT",
-     "lm_sparse", "demo+learning_rate=0.003+demo_decay=0.99+demo_k=24+demo_value_dtype=bfloat16",
-     "network_2proc_lm_sparse", "demo"),
+     "lm_sparse_long", "demo+learning_rate=0.003+demo_decay=0.99+demo_k=24"
+     "+demo_value_dtype=bfloat16+num_train_steps=4800+warmup_steps=480", "network_2proc_lm_sparse",
+     "demo"),
     ("compressed Adam", "`onebit_adam(lr, axis)`, byte-level GPT", "lm_comparison",
      "onebit_adam", None, None),
     ("low rank", "`powersgd(axis, rank=16)` before AdamW, GPT", "lm_comparison",
@@ -410,25 +414,32 @@ def _front_cells(results: pathlib.Path, name: str, mode: str) -> tuple[str, str]
                             if b in accuracy else "-" for b in BASELINES)
     return (f"{_ratio(sent, 'fp32', sent[mode])} / {_ratio(sent, 'bf16', sent[mode])}",
             f"{accuracy[mode]:.1%} accuracy ({difference} points)")
-  runs = {run["mode"]: run for run in report["runs"]}
-  if mode not in runs:
+  own = report["runs"]
+  run = next((r for r in own if r["mode"] == mode), None)
+  if run is None:
     return None
-  if not all(b in runs for b in BASELINES):  # The LM comparison's (the same example, config).
-    reference = _load(results / "lm_comparison.json") or {"runs": []}
-    runs = {run["mode"]: run for run in reference["runs"]} | runs
-  run = runs[mode]
-  if "bytes_per_step" in run:  # The DiLoCo sweep: across workers, against data parallel.
+  # A baseline the file lacks is the LM comparison's (the same example and config).
+  reference = (_load(results / "lm_comparison.json") or {"runs": []})["runs"]
+
+  def baseline(kind: str, same_steps: bool) -> dict | None:
+    """The ``kind`` (fp32 or bf16) run of the file, else of the LM comparison; with
+    ``same_steps``, only one trained as long as ``run``."""
+    return next((r for r in [*own, *reference]
+                 if (r["mode"] == kind or r["mode"].startswith(f"{kind}+num_train_steps="))
+                 and (not same_steps or r["steps"] == run["steps"])), None)
+
+  if "bytes_per_step" in run:  # The DiLoCo sweep: across workers, against DP trained as long.
     ratios = [run[f"{b}_bytes_over_bytes"] for b in BASELINES]
-  elif "hlo_across_data_bytes_least" in run:  # A hybrid mesh: across the data axis.
-    across = {m: r["hlo_across_data_bytes_least"] for m, r in runs.items()}
-    ratios = [across[b] / across[mode] for b in BASELINES]
-  else:
-    sent = {m: r["wire_bytes_per_step"] or r["hlo_wire_bytes_per_step"] for m, r in runs.items()}
-    ratios = [sent[b] / sent[mode] for b in BASELINES]
-  if "bytes_per_step" in run:  # The DiLoCo sweep: against data parallel trained as long.
     gaps = [run.get(f"eval_loss_minus_{b}") for b in BASELINES]
   else:
-    gaps = [run["eval_loss"] - runs[b]["eval_loss"] if b in runs else None for b in BASELINES]
+    def sent(r: dict) -> float:  # On a hybrid mesh, across the data axis.
+      if "hlo_across_data_bytes_least" in run:
+        return r["hlo_across_data_bytes_least"]
+      return r["wire_bytes_per_step"] or r["hlo_wire_bytes_per_step"]
+
+    ratios = [sent(baseline(b, same_steps=False)) / sent(run) for b in BASELINES]
+    gaps = [None if (base := baseline(b, same_steps=True)) is None
+            else run["eval_loss"] - base["eval_loss"] for b in BASELINES]
   difference = " / ".join("-" if gap is None else f"{gap:+.3f}" for gap in gaps)
   return (" / ".join(_times(r) for r in ratios),
           f"{run['eval_loss']:.3f} nats a byte ({difference}), {run['steps']} steps")
@@ -462,9 +473,10 @@ def front_page_table(results: pathlib.Path = RESULTS) -> str:
       " mean; GPT: `examples/lm/configs/small.py`, 8 simulated devices, one seed. Seconds: the"
       " same method on `examples/lm/configs/network.py`, 2 real processes joined by a"
       " rate-limited link (`benchmarks/network.py`), one run each on a shared 2-core CPU"
-      " machine, none on GPUs: a wider model, one sequence a process a step, on which DeMo and"
-      " SparseLoCo end at or below their baselines' held-out loss where `small.py` leaves them"
-      " above. [Results](docs/results.md) has every run, its caveats and its command.")
+      " machine, none on GPUs: a wider model, one sequence a process a step, 200 to 400 steps."
+      " The runs of 4,800 steps are against float32 data parallel trained as long (bf16's was"
+      " trained 300: \"-\"). [Results](docs/results.md) has every run, its caveats and its"
+      " command.")
   return "\n".join(lines) + "\n\n" + note + "\n"
 
 
