@@ -180,7 +180,8 @@ def test_other_settings_are_refused_naming_them(saved, tmp_path):
                            stacked=False)
 
 
-@pytest.mark.parametrize("count", [4, 2])
+# Resuming on 2 devices averages the residuals of groups of 4 as resuming on 4 does of pairs.
+@pytest.mark.parametrize("count", [4, pytest.param(2, marks=pytest.mark.slow)])
 def test_saved_on_8_devices_resumes_on_fewer_and_trains(saved, tmp_path, count):
   source, states = saved
   directory = tmp_path / "checkpoints"

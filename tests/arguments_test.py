@@ -73,6 +73,10 @@ def test_inject_hyperparams_with_static_args_matches_the_plain_transform():
   assert_replicas_identical(updates)
 
 
+# The transform inside optax.inject_hyperparams under pmap is the test above's; a learning
+# rate that changes between steps, transforms_test's
+# test_inject_hyperparams_learning_rate_changes_mid_run. This schedule of a whole chain: slow.
+@pytest.mark.slow
 def test_inject_hyperparams_of_a_chain_schedules_the_learning_rate():
   tx = optax.inject_hyperparams(
       lambda learning_rate: optax.chain(qsgd_jax.qsgd(AXIS, track_elias=False),

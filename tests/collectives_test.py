@@ -91,32 +91,51 @@ def _normal_tree(poison=None):
   return tree
 
 
-@functools.cache
-def _every_variant_fn():
-  @chex.assert_max_traces(n=1)
+# QSGD at 8 bits takes the paths of QSGD at 4 bits (bits that divide 32, the same buckets):
+# its tighter bounds run in the slow tier, from a program of their own, which leaves the
+# program every fast test reads smaller.
+_SLOW_VARIANTS = ("qsgd8_two_phase", "qsgd8_psum")
+_VARIANT_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_VARIANTS else name
+                   for name in VARIANTS]
+
+
+@functools.cache  # Called with its argument always: one program a tier.
+def _every_variant_fn(slow):
+  """The fast tier's variants (and a sum), or with ``slow`` the slow tier's, in one program."""
+  names = [name for name in VARIANTS if (name in _SLOW_VARIANTS) == slow]
+
   def mean_of_each(tree, key):
-    out = {name: qsgd_jax.quantized_pmean(tree, AXIS, compressor, key, method=method)
-           for name, (compressor, method, _) in VARIANTS.items()}
-    out["minmax8_two_phase_sum"] = qsgd_jax.quantized_psum(tree, AXIS, qsgd_jax.MinMax(), key)
+    out = {}
+    for name in names:
+      compressor, method, _ = VARIANTS[name]
+      out[name] = qsgd_jax.quantized_pmean(tree, AXIS, compressor, key, method=method)
+    if not slow:
+      out["minmax8_two_phase_sum"] = qsgd_jax.quantized_psum(tree, AXIS, qsgd_jax.MinMax(), key)
     return out
 
-  return jax.pmap(mean_of_each, axis_name=AXIS, in_axes=(0, None))
+  mean_of_each.__name__ += "_slow" if slow else "_fast"  # Each tier's traces counted apart.
+  return jax.pmap(chex.assert_max_traces(mean_of_each, n=1), axis_name=AXIS, in_axes=(0, None))
 
 
-@functools.cache
-def _every_variant(poison=None):
-  return _rows(_every_variant_fn()(_normal_tree(poison), KEY))
+@functools.cache  # Called with both arguments always.
+def _every_variant(poison, slow):
+  return _rows(_every_variant_fn(slow)(_normal_tree(poison), KEY))
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+def _variant(name, poison=None):
+  """``name``'s pmapped result, from the program of its tier."""
+  return _every_variant(poison, name in _SLOW_VARIANTS)[name]
+
+
+@pytest.mark.parametrize("name", _VARIANT_PARAMS)
 def test_pmap_result_is_identical_on_every_device(name):
-  _assert_rows_identical(_every_variant()[name])
+  _assert_rows_identical(_variant(name))
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", _VARIANT_PARAMS)
 def test_pmap_result_is_close_to_exact_mean(name):
   exact = _exact_mean(_normal_tree())
-  result = _every_variant()[name]
+  result = _variant(name)
   assert _relative_error(result["kernel"][0], exact["kernel"]) < VARIANTS[name][2]
   # The small leaf is summed in float32: exact up to float rounding.
   np.testing.assert_allclose(result["bias"][0], exact["bias"], rtol=1e-6, atol=1e-7)
@@ -127,7 +146,7 @@ def test_pmap_result_is_close_to_exact_mean(name):
 
 def test_psum_is_the_sum():
   tree = _normal_tree()
-  total = _every_variant()["minmax8_two_phase_sum"]
+  total = _every_variant(None, False)["minmax8_two_phase_sum"]
   _assert_rows_identical(total)
   exact = jax.tree.map(lambda x: np.asarray(x, np.float64).sum(axis=0), tree)
   assert _relative_error(total["kernel"][0], exact["kernel"]) < VARIANTS["minmax8_two_phase"][2]
@@ -135,8 +154,8 @@ def test_psum_is_the_sum():
 
 
 def test_second_call_with_new_key_and_values_does_not_retrace():
-  _every_variant()
-  jax.block_until_ready(_every_variant_fn()(_normal_tree(), jax.random.key(1)))
+  _every_variant(None, False)
+  jax.block_until_ready(_every_variant_fn(False)(_normal_tree(), jax.random.key(1)))
 
 
 def test_deterministic_two_phase_matches_reference():
@@ -163,14 +182,14 @@ def test_deterministic_two_phase_matches_reference():
   owned = sent.sum(axis=0) / NUM_DEVICES
   reference = np.asarray(roundtrip(owned)).reshape(-1)[:size]
 
-  result = _every_variant()["onebit_two_phase"]["kernel"][0]
+  result = _variant("onebit_two_phase")["kernel"][0]
   np.testing.assert_allclose(result, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", _VARIANT_PARAMS)
 @pytest.mark.parametrize("poison", ["kernel", "bias"])
 def test_nan_on_one_device_makes_that_leaf_non_finite_everywhere(name, poison):
-  result = _every_variant(poison)[name]
+  result = _variant(name, poison)
   clean = "bias" if poison == "kernel" else "kernel"
   for device in range(NUM_DEVICES):
     assert not np.all(np.isfinite(result[poison][device])), f"device {device}"
@@ -214,6 +233,11 @@ _STAT_VARIANTS = {
     "minmax8_psum": (qsgd_jax.MinMax(bits=8, bucket_size=512), "psum"),
     "qsgd4_all_gather": (qsgd_jax.QSGD(bits=4), "all_gather"),
 }
+# The two-phase reduction encodes, sums and re-encodes whatever the compressor: QSGD's checks
+# its unbiasedness, and MinMax's own is compressors_test's (the psum method decodes MinMax's
+# sum of codes its own way: it stays). MinMax's two-phase one runs in the slow tier, from a
+# program of its own.
+_SLOW_STAT_VARIANTS = ("minmax8_two_phase",)
 
 
 def _stat_input(same_on_every_device):
@@ -227,11 +251,15 @@ def _stat_keys():
   return jax.random.split(jax.random.key(7), _NUM_KEYS)
 
 
-@functools.cache
-def _key_statistics_fn():
+@functools.cache  # Called with its argument always: one program a tier.
+def _key_statistics_fn(slow):
+  """The fast tier's variants, or with ``slow`` the slow tier's, in one program."""
+  names = [name for name in _STAT_VARIANTS if (name in _SLOW_STAT_VARIANTS) == slow]
+
   def statistics(x, keys):
     out = {}
-    for name, (compressor, method) in _STAT_VARIANTS.items():
+    for name in names:
+      compressor, method = _STAT_VARIANTS[name]
       samples = jax.vmap(lambda key, c=compressor, m=method: qsgd_jax.quantized_pmean(
           x, AXIS, c, key, method=m, min_compressed_size=0))(keys)
       out[name] = (jnp.mean(samples, axis=0), jnp.var(samples, axis=0, ddof=1))
@@ -240,15 +268,17 @@ def _key_statistics_fn():
   return jax.pmap(statistics, axis_name=AXIS, in_axes=(0, None))
 
 
-@functools.cache
-def _key_statistics(same_on_every_device):
-  """For each variant, the mean and variance over keys of the pmean, per coordinate."""
-  return _rows(_key_statistics_fn()(_stat_input(same_on_every_device), _stat_keys()))
+@functools.cache  # Called with both arguments always.
+def _key_statistics(same_on_every_device, slow):
+  """For each variant of a tier, the mean and variance over keys of the pmean, per coordinate."""
+  return _rows(_key_statistics_fn(slow)(_stat_input(same_on_every_device), _stat_keys()))
 
 
-@pytest.mark.parametrize("name", _STAT_VARIANTS)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_STAT_VARIANTS else name
+    for name in _STAT_VARIANTS])
 def test_unbiased_over_keys(name):
-  mean, variance = (v[0] for v in _key_statistics(False)[name])
+  mean, variance = (v[0] for v in _key_statistics(False, name in _SLOW_STAT_VARIANTS)[name])
   exact = _stat_input(False).astype(np.float64).mean(axis=0)
   standard_error = np.sqrt(variance / _NUM_KEYS)
   assert np.all(standard_error > 0)
@@ -275,7 +305,7 @@ def test_one_rounding_methods_average_independent_errors(name):
   shared by the devices would leave all of it.
   """
   compressor, _ = _STAT_VARIANTS[name]
-  _, variance = (v[0] for v in _key_statistics(True)[name])
+  _, variance = (v[0] for v in _key_statistics(True, False)[name])
   ratio = np.mean(variance) / _single_device_variance(compressor)
   assert 0.8 / NUM_DEVICES < ratio < 1.25 / NUM_DEVICES
 
@@ -307,6 +337,10 @@ def test_devices_draw_independently_two_phase_first_phase():
     assert 0.8 / NUM_DEVICES < ratio < 1.25 / NUM_DEVICES, name
 
 
+# The two-phase mean of MinMax(bits=8, bucket_size=512) of VARIANTS (minmax8_two_phase, close
+# to the exact mean, identical everywhere, and its sum), on a larger, smooth leaf: its tighter
+# bound runs in the slow tier.
+@pytest.mark.slow
 def test_two_phase_8bit_bucketed_minmax_within_1e3_of_exact_mean_on_smooth_inputs():
   """``MinMax(bits=8, bucket_size=512)``: relative error below 1e-3 on smooth inputs.
 
@@ -363,15 +397,27 @@ def test_odd_sizes_and_bf16_leaves():
       assert error <= (4 / 255 + 2**-9) * magnitude, (variant, name)
 
 
-@pytest.mark.parametrize("method", ["two_phase", "psum", "all_gather"])
-def test_float16_l2_means_decode_within_float16(method):
-  # Gradients of about 30,000: a bucket's L2 norm, 30,000 * sqrt(512), is past float16's
-  # largest value, 65,504; so is a decode against it, unless the scale is bounded by it.
+_METHODS = ("two_phase", "psum", "all_gather")
+
+
+@functools.cache
+def _float16_l2_means():
+  """float16 gradients of about 30,000 and each method's mean of them, in one program."""
   rng = np.random.default_rng(3)
   grads = (30_000 * (1 + 0.01 * rng.normal(size=(NUM_DEVICES, 8192)))).astype(np.float16)
   compressor = qsgd_jax.QSGD(bits=4, norm="l2")
-  mean = _rows(jax.pmap(lambda g: qsgd_jax.quantized_pmean(g, AXIS, compressor, KEY,
-                                                           method=method), axis_name=AXIS)(grads))
+  means = jax.pmap(lambda g: {method: qsgd_jax.quantized_pmean(g, AXIS, compressor, KEY,
+                                                               method=method)
+                              for method in _METHODS}, axis_name=AXIS)(grads)
+  return grads, _rows(means)
+
+
+@pytest.mark.parametrize("method", _METHODS)
+def test_float16_l2_means_decode_within_float16(method):
+  # Gradients of about 30,000: a bucket's L2 norm, 30,000 * sqrt(512), is past float16's
+  # largest value, 65,504; so is a decode against it, unless the scale is bounded by it.
+  grads, means = _float16_l2_means()
+  mean = means[method]
   assert mean.dtype == np.float16 and np.all(np.isfinite(mean))
   assert np.max(np.abs(mean)) <= np.finfo(np.float16).max
   exact = grads.astype(np.float64).mean(axis=0)
@@ -715,7 +761,10 @@ def test_no_axis_applies_the_compressor_locally_and_sends_nothing():
   assert not np.array_equal(out["kernel"], first["kernel"])
 
 
-@pytest.mark.parametrize("method", ["two_phase", "psum", "all_gather"])
+# The all-gather method's collective under vmap is one of the two-phase method's (its second
+# phase gathers the owners' payloads), its per-device draws the same.
+@pytest.mark.parametrize("method", [
+    "two_phase", "psum", pytest.param("all_gather", marks=pytest.mark.slow)])
 def test_vmap_with_an_axis_name_equals_pmap(method):
   compressor = qsgd_jax.QSGD(bits=4)
   tree = _normal_tree()
@@ -724,8 +773,9 @@ def test_vmap_with_an_axis_name_equals_pmap(method):
     return qsgd_jax.quantized_pmean(t, AXIS, compressor, KEY, method=method)
 
   by_vmap = jax.jit(jax.vmap(mean, axis_name=AXIS))(tree)
-  by_pmap = jax.pmap(mean, axis_name=AXIS)(tree)
-  chex.assert_trees_all_equal(_rows(by_vmap), _rows(by_pmap))
+  # The pmap of this very reduction of this tree: the shared program's (VARIANTS's qsgd4_*).
+  by_pmap = _variant(f"qsgd4_{method}")
+  chex.assert_trees_all_equal(_rows(by_vmap), by_pmap)
 
 
 def test_replicated_gradients_under_shard_map_are_an_error_naming_the_leaf():

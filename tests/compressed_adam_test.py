@@ -290,9 +290,10 @@ def test_auto_freeze_chooses_a_step_once_the_variance_settles():
 
 def _decisions(rule, statistics):
   history, decisions = rule.initial(len(statistics[0])), []
+  record = jax.jit(rule.record)  # One program, not operation by operation.
   for updates_seen, statistic in enumerate(statistics, 1):
-    history, settled = rule.record(history, jnp.int32(updates_seen),
-                                   jnp.asarray(statistic, jnp.float32))
+    history, settled = record(history, jnp.int32(updates_seen),
+                              jnp.asarray(statistic, jnp.float32))
     decisions.append(bool(settled))
   return decisions
 

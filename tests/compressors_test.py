@@ -27,6 +27,13 @@ KEYS = jax.random.split(jax.random.key(0), NUM_KEYS)
 Z_LIMIT = 5.0
 
 
+def _marked_slow(names, slow):
+  """``names`` as test parameters, those in ``slow`` marked slow: each takes the code paths of
+  a parameter that stays (the reason is given where they are chosen)."""
+  assert set(slow) <= set(names), set(slow) - set(names)
+  return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
+
+
 def _gaussian(shape, seed=0) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
@@ -35,10 +42,14 @@ def _gaussian(shape, seed=0) -> np.ndarray:
 def _round_trips_over_keys(compressor, shape):
   """``decode(encode(k, x))`` of a Gaussian ``x`` for every key, and its scales."""
   x = _gaussian(shape)
-  round_trip = jax.jit(jax.vmap(lambda key: compressor.decode(compressor.encode(key, x))))
-  samples = np.asarray(round_trip(KEYS))
-  scales = np.asarray(jax.jit(compressor.encode)(KEYS[0], x).scales, np.float64)
-  return x.astype(np.float64), samples, scales
+
+  @jax.jit  # One program for both: compiling dominates.
+  def run(keys):
+    samples = jax.vmap(lambda key: compressor.decode(compressor.encode(key, x)))(keys)
+    return samples, compressor.encode(keys[0], x).scales
+
+  samples, scales = run(KEYS)
+  return x.astype(np.float64), np.asarray(samples), np.asarray(scales, np.float64)
 
 
 def _buckets(flat: np.ndarray, bucket_size, size: int) -> np.ndarray:
@@ -77,7 +88,11 @@ UNBIASED = {
 SHAPE = (20, 50)  # 1000 elements: no bucket size above divides it.
 
 
-@pytest.mark.parametrize("name", list(UNBIASED))
+# Each norm, bucketing and bit width stays: the max norm and bits that divide 32 in
+# qsgd4_max_bucket256, the L2 norm in qsgd3levels_l2_bucket100, one bucket a leaf in
+# minmax8_whole (FixedBuckets' length, QSGD's and MinMax's alike). QSGD's whole leaves, at
+# 8 bits under the max norm and at 4 under the L2 norm, run in the slow tier.
+@pytest.mark.parametrize("name", _marked_slow(UNBIASED, {"qsgd8_max_whole", "qsgd4_l2_whole"}))
 def test_unbiased(name):
   compressor = UNBIASED[name]
   assert compressor.unbiased
@@ -123,7 +138,8 @@ def _lemma_samples(levels: int, vector: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("vector", list(LEMMA_VECTORS))
-@pytest.mark.parametrize("levels", [1, 2, 7, 64])
+# s = 7 (4 bits): bits dividing 32 as s = 1 and 64, below sqrt(n) as s = 1 and 2.
+@pytest.mark.parametrize("levels", [1, 2, pytest.param(7, marks=pytest.mark.slow), 64])
 def test_lemma_3_1_variance_and_sparsity(levels, vector):
   v = LEMMA_VECTORS[vector].astype(np.float64)
   n, s = v.size, levels
@@ -255,10 +271,13 @@ def test_nearest_zero_aligned_is_baguas_kernel_bit_for_bit(name):
   bucket_size, x = _bagua_cases()[name]
   compressor = qsgd_jax.NearestZeroAlignedMinMax(bucket_size=bucket_size)
   assert compressor.deterministic and not compressor.unbiased
-  payload = jax.jit(compressor.encode)(KEYS[0], x)
-  codes = np.asarray(packing.unpack(payload.packed, x.size, 8))
-  decoded = np.asarray(jax.jit(compressor.decode)(payload))
-  scales = np.asarray(payload.scales)
+
+  @jax.jit  # One program: compiling dominates.
+  def run(x):
+    payload = compressor.encode(KEYS[0], x)
+    return packing.unpack(payload.packed, x.size, 8), compressor.decode(payload), payload.scales
+
+  codes, decoded, scales = (np.asarray(a) for a in run(x))
   bucket_len = bucket_size or x.size
   for index, start in enumerate(range(0, x.size, bucket_len)):
     bucket = slice(start, start + bucket_len)
@@ -283,6 +302,10 @@ def test_nearest_zero_aligned_keeps_zeros_and_errs_half_a_step():
   np.testing.assert_array_less(error, step * (0.5 + 1e-4))
 
 
+# Both quantizers' paths are the fast tests': rounding to nearest bit for bit Bagua's
+# (test_nearest_zero_aligned_is_baguas_kernel_bit_for_bit), stochastic rounding's variance
+# exactly p(1 - p) a step squared (test_unbiased). Their ratio runs in the slow tier.
+@pytest.mark.slow
 def test_nearest_rounding_has_half_the_mean_squared_error_of_stochastic():
   # The same data and buckets of 512: rounding to nearest errs by a uniform
   # fraction of a step (mean square 1/12), stochastic rounding by p(1 - p) on
@@ -322,23 +345,43 @@ COMPRESSORS = {
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", COMPRESSORS)
+# NearestAbsMax encodes parts as QSGD does (its levels draw nothing); the default
+# encode_concatenated (the concatenation encoded) of NearestZeroAlignedMinMax and Cast is
+# nearest8_whole's and cast_bfloat16's.
+@pytest.mark.parametrize("name", _marked_slow(
+    COMPRESSORS, {"nearest_abs_max8_bucket512", "nearest3_bucket100", "cast_float16"}))
 def test_encode_concatenated_is_the_encode_of_the_concatenation(name, dtype):
   """Bit for bit, for rows of whole runs (the pieces of a two-phase sum) and for vectors."""
   compressor = COMPRESSORS[name]
   run = compressor.bucket_length((9, 100)) or 100
   rng = np.random.default_rng(3)
-  for shapes in ([(3, run), (1, run), (5, run)], [(9, run)], [(700,), (300,)]):
-    parts = [jnp.asarray(rng.normal(size=shape), dtype) for shape in shapes]
-    from_parts = jax.jit(compressor.encode_concatenated)(KEYS[0], parts)
-    whole = jax.jit(compressor.encode)(KEYS[0], jnp.concatenate(parts))
+  cases = [[jnp.asarray(rng.normal(size=shape), dtype) for shape in shapes]
+           for shapes in ([(3, run), (1, run), (5, run)], [(9, run)], [(700,), (300,)])]
+
+  @jax.jit  # One program for every case: compiling dominates.
+  def encodings(key, cases):
+    return [(compressor.encode_concatenated(key, parts),
+             compressor.encode(key, jnp.concatenate(parts))) for parts in cases]
+
+  for from_parts, whole in encodings(KEYS[0], cases):
     assert (from_parts.shape, from_parts.dtype) == (whole.shape, whole.dtype)
     for a, b in zip(jax.tree.leaves(from_parts), jax.tree.leaves(whole), strict=True):
       np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("name", COMPRESSORS)
+# bfloat16 takes a path of its own only where a scale depends on the input's dtype (the L2
+# norm's clip to its largest value, qsgd3levels_l2_bucket100); the others cast it to float32
+# and go on as with float32 input. NearestAbsMax's scales are QSGD's max norm (qsgd4_bucket512).
+_ALL_FINITE_SLOW = {("nearest_abs_max8_bucket512", "float32"),
+                    ("nearest_abs_max8_bucket512", "bfloat16"), ("qsgd4_bucket512", "bfloat16"),
+                    ("minmax8_bucket512", "bfloat16"), ("minmax5_bucket100", "bfloat16")}
+
+
+@pytest.mark.parametrize("name, dtype", [
+    pytest.param(name, dtype, id=f"{name}-{np.dtype(dtype).name}",
+                 marks=[pytest.mark.slow] if (name, np.dtype(dtype).name) in _ALL_FINITE_SLOW
+                 else [])
+    for dtype in (jnp.float32, jnp.bfloat16) for name in COMPRESSORS])
 def test_encoded_all_finite_says_whether_the_input_was(name, dtype):
   """Exactly, for the compressors whose scales tell, at the dtype's largest values too."""
   compressor = COMPRESSORS[name]
@@ -415,7 +458,11 @@ def _edge_cases(name: str):
   return run(KEYS[2], CASES, SPECIAL_ROWS)
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+# Cast to float16 goes the way of Cast to bfloat16 through every test of _edge_cases.
+_EDGE_CASES_PARAMS = _marked_slow(COMPRESSORS, {"cast_float16"})
+
+
+@pytest.mark.parametrize("name", _EDGE_CASES_PARAMS)
 def test_shapes_and_dtypes_kept(name):
   payloads, decoded, _ = _edge_cases(name)
   for case, x in CASES.items():
@@ -429,7 +476,10 @@ def test_shapes_and_dtypes_kept(name):
     assert np.dot(x, y) > 0.5 * np.dot(x, x), case
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+# NearestAbsMax traces QSGD's buckets, parts and packing (only its levels differ); Cast to
+# float16, Cast to bfloat16's.
+@pytest.mark.parametrize("name", _marked_slow(
+    COMPRESSORS, {"nearest_abs_max8_bucket512", "cast_float16"}))
 def test_more_shapes_and_dtypes_by_tracing(name):
   compressor = COMPRESSORS[name]
   for shape in [(), (0,), (5,), (4, 0), (2, 3, 4), (1, 1, 513)]:
@@ -439,13 +489,13 @@ def test_more_shapes_and_dtypes_by_tracing(name):
       assert out.shape == shape and out.dtype == dtype, (shape, dtype)
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+@pytest.mark.parametrize("name", _EDGE_CASES_PARAMS)
 def test_zeros_decode_to_zeros(name):
   *_, rows = _edge_cases(name)
   np.testing.assert_array_equal(rows[0], np.zeros(700, np.float32))
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+@pytest.mark.parametrize("name", _EDGE_CASES_PARAMS)
 def test_non_finite_input_stays_non_finite(name):
   *_, rows = _edge_cases(name)
   for row, index in NON_FINITE_AT.items():
@@ -626,8 +676,9 @@ def test_short_last_bucket_encodes_as_in_the_padded_array(compressor, mode):
   # padded alone give the codes (and draws) of the array padded by hand.
   x = _gaussian((1000,), seed=20)
   padded = np.pad(x, (0, 1024 - 1000), mode=mode)
-  encode = jax.jit(compressor.encode)
-  payload, reference = encode(KEYS[8], x), encode(KEYS[8], padded)
+  # One program for both: compiling dominates.
+  encode = jax.jit(lambda key, *xs: [compressor.encode(key, x) for x in xs])
+  payload, reference = encode(KEYS[8], x, padded)
   np.testing.assert_array_equal(payload.packed, reference.packed[: payload.packed.size])
   if not isinstance(compressor, qsgd_jax.OneBit):  # Padded zeros change its means.
     np.testing.assert_array_equal(payload.scales, reference.scales[: payload.scales.shape[0]])
@@ -650,7 +701,7 @@ def test_encode_writes_no_copy_of_its_input(compressor, dtype):
     assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * size * np.dtype(dtype).itemsize
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+@pytest.mark.parametrize("name", _EDGE_CASES_PARAMS)
 def test_payload_holds_the_stated_bits(name):
   compressor = COMPRESSORS[name]
   payloads, *_ = _edge_cases(name)
@@ -728,7 +779,12 @@ def test_non_float_input_raises_type_error_naming_the_dtype(name, dtype):
     COMPRESSORS[name].encode(KEYS[0], jnp.zeros((8,), dtype))
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
+# One compressor of each class: a second of the same class (another bucket size or bit width)
+# hashes, traces once and maps over keys as the first does (their packing under vmap is
+# test_unbiased's and _edge_cases').
+@pytest.mark.parametrize("name", _marked_slow(COMPRESSORS, {
+    "qsgd3levels_l2_bucket100", "minmax5_bucket100", "nearest3_bucket100", "onebit_bucket512",
+    "cast_float16"}))
 def test_jit_with_static_compressor_vmap_and_no_recompiling(name):
   compressor = COMPRESSORS[name]
   twin = dataclasses.replace(compressor)  # Equal, but a new object.

@@ -392,6 +392,9 @@ def test_orbax_restores_in_a_fresh_process_with_the_abstract_state(tmp_path):
     np.testing.assert_array_equal(restored[f"arr_{index}"], array)
 
 
+# Slow, as the other docstring examples (docs_test.py runs every public name's): each example
+# compiles programs of its own for what the tests above check.
+@pytest.mark.slow
 def test_docstring_examples():
   result = doctest.testmod(data_parallel_module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

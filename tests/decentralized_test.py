@@ -31,8 +31,9 @@ _NODE, _LOCAL = "node", "local"  # The hierarchical mode's ring and local axes.
 
 
 def _stacked(tree, n):
-  """The same pytree for each of ``n`` workers, along a new leading axis."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+  """The same pytree for each of ``n`` workers, along a new leading axis: host arrays, which
+  the mapped functions place without compiling a resharding of device arrays."""
+  return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), tree)
 
 
 def _roll(tree, shift):
@@ -130,7 +131,7 @@ def test_gradients_of_replicated_params_under_shard_map_are_an_error():
 
 def _two_leaf_problem(num_workers):
   rng = np.random.default_rng(7)
-  params = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": jnp.zeros(5, jnp.bfloat16)}
+  params = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": np.zeros(5, jnp.bfloat16)}
   inputs = rng.normal(size=(num_workers, 4, 3)).astype(np.float32)
   labels = rng.normal(size=(num_workers, 4, 5)).astype(np.float32)
   return _stacked(params, num_workers), inputs, labels
@@ -283,7 +284,7 @@ def test_workers_draw_their_own_rounding():
   def first_update(params, grads):
     return optimizer.update(grads, optimizer.init(params), params)[0]
 
-  params = jnp.zeros((NUM_WORKERS, 1000))
+  params = np.zeros((NUM_WORKERS, 1000), np.float32)
   grads = _stacked(jnp.sin(jnp.arange(1000.0)), NUM_WORKERS)
   updates = np.asarray(jax.block_until_ready(first_update(params, grads)))
   for i in range(1, NUM_WORKERS):
@@ -360,11 +361,17 @@ def _tie_tolerance(differences, bucket_sizes):
   return tolerance
 
 
+# Each runner, ring (of 4, a pair, hierarchical) and bucketing stays: ring4_pmap and
+# ring4_vmap run in the slow tier (a ring of 4: ring4_shard_map_two_buckets; under pmap:
+# pair_pmap_two_buckets; under vmap: pair_vmap; one bucket: pair_vmap, hierarchical4x2).
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "num_nodes, num_local, runner, bucket_bytes, bucket_sizes",
-    [(4, None, "pmap", None, [20]),
+    [pytest.param(4, None, "pmap", None, [20], marks=_SLOW),
      (4, None, "shard_map", 20, [5, 15]),  # b (20 bytes) fills a bucket alone.
-     (4, None, "vmap", None, [20]),
+     pytest.param(4, None, "vmap", None, [20], marks=_SLOW),
      (2, None, "pmap", 20, [5, 15]),
      (2, None, "vmap", None, [20]),
      (4, 2, "shard_map", None, [20]),
@@ -451,9 +458,13 @@ def _accuracy(params, inputs, labels):
   return 100.0 * float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
+# The quadratic's convergence checks the same steps (scanned under pmap and shard_map, the
+# averaged model and the consensus distance); this trains a real problem against float32.
+@pytest.mark.slow
 def test_digits_averaged_model_matches_all_reduce():
   train_inputs, train_labels, test_inputs, test_labels = _digits_split()
-  params = _stacked({"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)}, NUM_WORKERS)
+  params = _stacked({"w": np.zeros((64, 10), np.float32), "b": np.zeros(10, np.float32)},
+                    NUM_WORKERS)
   inner = optax.sgd(0.5, momentum=0.9)
   all_reduce, _ = _train_digits(inner, average_gradients=True)(params, train_inputs, train_labels)
   decentralized, distance = _train_digits(
@@ -575,7 +586,8 @@ def _compiled_step_text(num_workers, compressor):
     return jax.tree.map(lambda x: x[None], (updates, state))
 
   step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-  params = _stacked({"w": jnp.ones((100, 100)), "b": jnp.ones(100)}, num_workers)
+  params = _stacked({"w": np.ones((100, 100), np.float32), "b": np.ones(100, np.float32)},
+                    num_workers)
   params = jax.device_put(params, NamedSharding(mesh, P(AXIS)))
   return step.lower(params).compile().as_text()
 

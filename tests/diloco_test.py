@@ -168,6 +168,9 @@ def test_one_device_equals_lookahead():
   chex.assert_trees_all_close(state.global_params, both.slow, rtol=1e-6, atol=1e-6)
 
 
+# The path of test_one_device_equals_lookahead (DiLoCo on one device, an outer SGD), at another
+# outer learning rate.
+@pytest.mark.slow
 def test_outer_sgd_at_one_is_the_inner_optimizer():
   tx = diloco(optax.adam(0.05), None, sync_every=3, outer_optimizer=optax.sgd(1.0))
   params, _ = _run_one_device(tx, 7)
@@ -496,16 +499,17 @@ def test_state_from_another_configuration_or_worker_count():
   params = example_params()
   two = diloco(optax.sgd(0.1), None, sync_every=4, fragments=2)
   one = diloco(optax.sgd(0.1), None, sync_every=4)
+  # Each init compiled as one program, not operation by operation.
   with pytest.raises(ValueError, match="another configuration"):
-    one.update(params, two.init(params), params)
-  state = one.init(params)
+    one.update(params, jax.jit(two.init)(params), params)
+  state = jax.jit(one.init)(params)
   assert isinstance(state, DiLoCoState)
   grown = state._replace(inner_state=(optax.EmptyState(),))
   with pytest.raises(ValueError, match="another configuration"):
     one.update(params, grown, params)
   average = qsgd_jax.qsgd(AXIS, error_feedback=True, min_compressed_size=8)
   tx = diloco(optax.adam(0.1), AXIS, sync_every=4, average=average)
-  state = jax.vmap(tx.init, axis_name=AXIS)(stack(params, 2))
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(stack(params, 2))
   doubled = state._replace(inner_state=jax.tree.map(
       lambda x: jnp.concatenate([x, x], axis=1), state.inner_state))
   with pytest.raises(ValueError, match=r"state leaf .*inner_state.* number of workers"):
@@ -601,7 +605,7 @@ def test_partition_specs_and_resize():
   def init_on(n):
     return jax.vmap(tx.init, axis_name=AXIS)(stack(example_params(), n))
 
-  saved = init_on(8)
+  saved = jax.jit(init_on, static_argnums=0)(8)  # One program, not operation by operation.
   saved = saved._replace(inner_state=jax.tree.map(
       lambda x: x + jnp.arange(8).reshape(8, *[1] * (x.ndim - 1)).astype(x.dtype),
       saved.inner_state))

@@ -2,6 +2,8 @@
 inner optimizer averaging over a worker's devices; by hand under jax.shard_map and through
 qsgd_jax.data_parallel, the exchange whole or split over a worker's devices."""
 
+import functools
+
 import chex
 import diloco_reference as reference
 import jax
@@ -133,15 +135,30 @@ def _runs(tx, steps):
 _STREAMING_STEPS = 7  # Two rounds and the second's merge.
 
 
-@pytest.fixture(scope="module")
-def split_runs():
+@functools.cache
+def _split_tx():
   """Adam on a worker's float32 average, the outer gradients exchanged a step after the sync,
   split over the worker's devices."""
   inner = optax.chain(
       qsgd_jax.compressed_allreduce(qsgd_jax.Identity(), "inner", min_compressed_size=1),
       optax.adam(0.05))
-  return _runs(diloco(inner, "outer", sync_every=3, delay=1, split_axis="inner",
-                      outer_optimizer=optax.sgd(0.7, momentum=0.9)), _STREAMING_STEPS)
+  return diloco(inner, "outer", sync_every=3, delay=1, split_axis="inner",
+                outer_optimizer=optax.sgd(0.7, momentum=0.9))
+
+
+@pytest.fixture(scope="module")
+def split_by_hand():
+  """The history of ``_split_tx``'s steps by hand (the first of ``_runs``), alone: the tests
+  that read no other run compile no ``data_parallel`` program."""
+  return _run_two_level(_split_tx(), example_targets(_STREAMING_STEPS), _STREAMING_STEPS,
+                        "outer", split_axis="inner")
+
+
+@pytest.fixture(scope="module")
+def split_runs(split_by_hand):
+  """``_runs`` of ``_split_tx``."""
+  return split_by_hand, _run_data_parallel(_split_tx(), example_targets(_STREAMING_STEPS),
+                                           _STREAMING_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +182,8 @@ def test_two_level_data_parallel_is_the_hand_written_step_bit_for_bit(runs, requ
 
 
 @pytest.mark.slow
-def test_split_streaming_matches_reference(split_runs):
-  params, state = split_runs[0][-1]
+def test_split_streaming_matches_reference(split_by_hand):
+  params, state = split_by_hand[-1]
   local, global_ = reference.streaming_diloco(
       jax.tree.leaves(example_params()),
       reference_grad(_worker_targets(example_targets(_STREAMING_STEPS))), workers=2,
@@ -190,11 +207,11 @@ def test_inner_residuals_are_each_devices_own(residual_runs):
   assert np.all(np.isfinite(np.asarray(jax.tree.leaves(state.global_params)[0])))
 
 
-def test_run_stats_count_data_parallel_on_every_device(split_runs):
+def test_run_stats_count_data_parallel_on_every_device(split_by_hand):
   """A DiLoCo run's bytes against synchronous data parallel over all 8 devices: a float32
   all-reduce of the gradients every step (and across the outer axis, run hierarchically,
   that over the 4 devices of a worker), with no NaN from the steps that sent nothing."""
-  by_hand, _ = split_runs
+  by_hand = split_by_hand
   run = None
   for _, state in by_hand:
     run = qsgd_jax.accumulate_stats(run, state)

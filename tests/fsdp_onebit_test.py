@@ -204,6 +204,9 @@ def test_bad_input_is_an_error_that_says_what_to_do():
     qsgd_jax.fsdp_onebit_adam(1e-3, freeze_step=0)
 
 
+# Slow, as the other docstring examples (docs_test.py runs every public name's): each example
+# compiles programs of its own for what the tests above check.
+@pytest.mark.slow
 def test_docstring_examples():
   result = doctest.testmod(fsdp_onebit, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

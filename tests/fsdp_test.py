@@ -103,11 +103,12 @@ def test_gather_is_lax_all_gather_within_half_a_step_and_bit_identical_everywher
                                   np.concatenate(list(out["stacked"][name][0].swapaxes(0, 1))))
   for name in ("b", "i"):  # Sent as they are.
     np.testing.assert_array_equal(out["stacked"][name], out["exact"][name])
-  for name in ("w", "h"):  # Every shard as WEIGHTS decodes it on its owner, alone.
-    alone = jax.jit(jax.vmap(lambda x: WEIGHTS.decode(WEIGHTS.encode(None, x))))(
-        shards[name].astype(np.float32))
+  # Every shard as WEIGHTS decodes it on its owner, alone (both leaves in one program).
+  alone = jax.jit(lambda leaves: [jax.vmap(lambda x: WEIGHTS.decode(WEIGHTS.encode(None, x)))(
+      leaf) for leaf in leaves])([shards[name].astype(np.float32) for name in ("w", "h")])
+  for name, leaf_alone in zip(("w", "h"), alone, strict=True):
     np.testing.assert_array_equal(out["stacked"][name][0].swapaxes(0, 1),
-                                  np.asarray(alone.astype(shards[name].dtype)))
+                                  np.asarray(leaf_alone.astype(shards[name].dtype)))
   w = shards["w"].reshape(NUM_DEVICES, -1, 512).astype(np.float64)
   bound = np.abs(w).max(axis=2, keepdims=True) / 254 * (1 + 1e-6)  # Half a step a bucket.
   error = np.abs(out["stacked"]["w"][0].swapaxes(0, 1).reshape(w.shape) - w)
@@ -554,6 +555,9 @@ def test_a_gradient_reduced_already_is_a_trace_time_error(gather):
                          out_specs=P(None, AXIS)), w, x)
 
 
+# Slow, as the other docstring examples (docs_test.py runs every public name's): each example
+# compiles programs of its own for what the tests above check.
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [nearest_abs_max, gather_module, fsdp_module, fsdp_shards])
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

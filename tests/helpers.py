@@ -20,6 +20,16 @@ def host_arrays(tree):
   return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if is_key(x) else x), tree)
 
 
+def placed_like(like, array):
+  """The host copy ``array`` of ``like`` (a typed key's key data), placed on the devices as
+  ``like`` is: a restored state then runs the programs compiled for ``like``'s layout, rather
+  than compiling them again for arrays on one device."""
+  if is_key(like):
+    data = jax.device_put(array, jax.random.key_data(like).sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(like))
+  return jax.device_put(array, like.sharding)
+
+
 def assert_replicas_identical(tree):
   """Every row (device) of every leaf equals row 0 bit for bit."""
   for leaf in jax.tree.leaves(host_arrays(tree)):

@@ -1,6 +1,8 @@
 """Averages over the data axis of a mesh whose model is sharded over the others (data x fsdp x
 tensor, as Flax lm1b lays it out): each device compresses and sends its own shard."""
 
+import functools
+
 import chex
 import deepspeed_reference as ds
 import jax
@@ -54,6 +56,7 @@ def _run(tx, mesh, steps=2, **options):
   return params, state, hlo, abstract_state(_params(mesh))
 
 
+@functools.cache  # Several tests read it: compiled once.
 def _compilers_step(mesh, learning_rate, steps=2):
   """float32 data parallel as the compiler runs it: a plain jit step, the batch split over
   the data axis, the gradients' all-reduce the compiler's own."""
@@ -434,11 +437,14 @@ def _float32_bytes(mesh):
   return across, qsgd_jax.wire_bytes(hlo) - across
 
 
+_host_grad = jax.jit(jax.grad(_loss))  # One program for every group's gradient.
+
+
 def _group_gradients(params):
   """Each data group's gradient of its half of the batch, computed on the host."""
   x = _batch()
   host = jax.device_get(params)
-  return [jax.device_get(jax.jit(jax.grad(_loss))(host, x[8 * g:8 * (g + 1)])) for g in range(2)]
+  return [jax.device_get(_host_grad(host, x[8 * g:8 * (g + 1)])) for g in range(2)]
 
 
 def _blocks(name, layout=EXCHANGED):

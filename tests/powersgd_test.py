@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import powersgd_reference as reference
 import pytest
-from helpers import assert_replicas_identical, host_arrays, is_key
+from helpers import assert_replicas_identical, host_arrays, placed_like
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -172,9 +172,7 @@ def test_resume_from_a_host_copy_continues_exactly():
   _, _, update = _functions("defaults")
   states, grads, outputs = _trajectory("defaults")
   saved = host_arrays(states[3])  # After the first compressed step: errors and Q in use.
-  restored = jax.tree.map(
-      lambda like, array: (jax.random.wrap_key_data(array, impl=jax.random.key_impl(like))
-                           if is_key(like) else jnp.asarray(array)), states[3], saved)
+  restored = jax.tree.map(placed_like, states[3], saved)
   state = restored
   for step in (3, 4):
     out, state = jax.block_until_ready(update(grads[step], state))
@@ -675,6 +673,9 @@ def test_a_leaf_whose_shape_changed_since_init_is_named():
     tx.update({"a": jnp.zeros((32, 16)), "b": jnp.zeros((64, 24))}, state)
 
 
+# Slow, as the other docstring examples (docs_test.py runs every public name's): each example
+# compiles programs of its own for what the tests above check.
+@pytest.mark.slow
 def test_docstring_example_runs():
   result = doctest.testmod(powersgd_module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted and not result.failed

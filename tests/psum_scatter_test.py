@@ -203,6 +203,10 @@ def _train_fsdp(quantized: bool, num_steps: int = 30):
       shards, opt_state, jax.random.key(0), x, y).compile().as_text()
 
 
+# Thirty steps of each through the reduce-scatter the tests above check (its values with
+# QSGD(bits=8), under jit(shard_map), its bytes as the plan gives them; fsdp_test's gradients):
+# a training run, in the slow tier.
+@pytest.mark.slow
 def test_fsdp_training_matches_float32_fsdp_with_half_the_bytes():
   exact_params, exact_losses, exact_hlo = _train_fsdp(quantized=False)
   params, losses, hlo = _train_fsdp(quantized=True)

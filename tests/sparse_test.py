@@ -63,7 +63,8 @@ def test_topk_payload_round_trips_through_the_wire_bit_for_bit(options):
   assert 8 * serialize.num_words(payload) * 4 == topk.wire_bits(x.shape)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+# 4 bits: codes that divide 32, as 2 and 8 bits'.
+@pytest.mark.parametrize("bits", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_scaled_values_are_unbiased_given_the_kept_positions(bits):
   topk = qsgd_jax.TopK(k=4, chunk=16, value_bits=bits)
   x = jnp.asarray(_normal(2, 64))
@@ -130,7 +131,9 @@ def test_bfloat16_values_of_a_float16_leaf_stay_finite():
   """float16's largest, 65504, is 65536 in bfloat16: it decodes to 65504, not inf."""
   topk = qsgd_jax.TopK(k=2, chunk=4, value_dtype=jnp.bfloat16)
   x = jnp.array([65504.0, -65504.0, 1.0, 0.0], jnp.float16)
-  decoded = topk.decode(topk.encode(jax.random.key(0), x))
+  # Compiled, as the tests above run them (not operation by operation): the payload's
+  # bfloat16 values come out of one program and go into the other.
+  decoded = jax.jit(topk.decode)(jax.jit(topk.encode)(jax.random.key(0), x))
   assert decoded.dtype == jnp.float16
   np.testing.assert_array_equal(np.asarray(decoded), [65504.0, -65504.0, 0.0, 0.0])
 
@@ -169,16 +172,20 @@ def test_the_two_averages():
   is their sum over 2; over its contributors, their mean, and elements 0 and 2 their own."""
   topk = qsgd_jax.TopK(k=2, chunk=4)
   rows = jnp.array([[3.0, 1.0, 0.0, 0.0], [0.0, 5.0, 2.0, 0.0]])
-  payloads = jax.vmap(topk.encode)(jax.random.split(jax.random.key(0), 2), rows)
-  both = jnp.array([True, True])
-  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_workers", both),
-                                [1.5, 3.0, 1.0, 0.0])
-  np.testing.assert_array_equal(exchange.average(topk, payloads, "mean_over_contributors", both),
-                                [3.0, 3.0, 2.0, 0.0])
+  aggregations = ("mean_over_workers", "mean_over_contributors")
+
+  @jax.jit  # One program: compiling dominates.
+  def averages(rows, taking_part):
+    payloads = jax.vmap(topk.encode)(jax.random.split(jax.random.key(0), 2), rows)
+    return [{aggregation: exchange.average(topk, payloads, aggregation, mask)
+             for aggregation in aggregations} for mask in taking_part]
+
+  both, without_0 = averages(rows, (jnp.array([True, True]), jnp.array([False, True])))
+  np.testing.assert_array_equal(both["mean_over_workers"], [1.5, 3.0, 1.0, 0.0])
+  np.testing.assert_array_equal(both["mean_over_contributors"], [3.0, 3.0, 2.0, 0.0])
   # Worker 0 left out: worker 1's alone, whichever average.
-  for aggregation in ("mean_over_workers", "mean_over_contributors"):
-    np.testing.assert_array_equal(
-        exchange.average(topk, payloads, aggregation, jnp.array([False, True])), rows[1])
+  for aggregation in aggregations:
+    np.testing.assert_array_equal(without_0[aggregation], rows[1])
 
 
 # Top-k with error feedback through compressed_allreduce ------------------------------------
@@ -378,7 +385,10 @@ def test_sparseloco_average_is_sparseloco_py():
         np.testing.assert_allclose(np.asarray(got[w]), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("aggregation", ["mean_over_contributors", "mean_over_workers"])
+# SparseLoCo hands its aggregation to exchange.average, whose mean over the workers (a worker
+# left out too) test_the_two_averages checks: that one runs in the slow tier.
+@pytest.mark.parametrize("aggregation", [
+    "mean_over_contributors", pytest.param("mean_over_workers", marks=pytest.mark.slow)])
 def test_sparseloco_average_leaves_out_the_workers_not_taking_part(aggregation):
   """Worker 1 does not take part in the second round, with a NaN outer gradient: the average is
   sparseloco.py's over the other three (whose buffers go on as theirs), and worker 1's buffer

@@ -15,7 +15,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import apply_step, assert_replicas_identical, backend_compiles, host_arrays, is_key
+from helpers import (
+  apply_step,
+  assert_replicas_identical,
+  backend_compiles,
+  host_arrays,
+  placed_like,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
@@ -227,10 +233,7 @@ def _save_and_restore_with_orbax(tree, directory):
 def _save_and_restore_with_numpy(tree, directory):
   del directory
   saved = host_arrays(tree)  # What np.savez would write.
-  return jax.tree.map(
-      lambda like, array: (jax.random.wrap_key_data(array, impl=jax.random.key_impl(like))
-                           if is_key(like) else jnp.asarray(array)),
-      tree, saved)
+  return jax.tree.map(placed_like, tree, saved)  # Placed as orbax's restore places them.
 
 
 @pytest.mark.parametrize("save_and_restore", [
