@@ -248,15 +248,13 @@ def diloco_table(results: pathlib.Path = RESULTS) -> str:
   return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-def _digits_hlo_cell(run: dict, fp32: dict, warmup: int) -> str:
+def _digits_hlo_cell(run: dict, fp32: dict) -> str:
   """A digits run's bytes a step read from its compiled program, against float32's: its
   lightest step's, and where a warm-up's float32 steps send more, theirs besides (a run
-  recorded before these two were kept reads every branch added)."""
+  without a warm-up, recorded before these two were kept, reads its one figure)."""
   least = run.get("hlo_wire_bytes_least", run["hlo_wire_bytes_per_step"])
   most = run.get("hlo_wire_bytes_most", least)
   cell = f"{least:,.0f} ({fp32['hlo_wire_bytes_per_step'] / least:.1f}x"
-  if "hlo_wire_bytes_least" not in run and warmup and run["compression"] != "fp32":
-    return cell + ", every branch of the warm-up's switch)"
   return cell + (")" if most == least else f"; the warm-up's steps {most:,.0f})")
 
 
@@ -291,7 +289,7 @@ def sparse_table(results: pathlib.Path = RESULTS) -> str:
             f"| {name} | {spread['mean']:.1%} ({spread['min']:.1%}-{spread['max']:.1%}) "
             f"| {run['wire_bytes_per_step']:,.0f} "
             f"({base['wire_bytes_per_step'] / run['wire_bytes_per_step']:.1f}x) "
-            f"| {_digits_hlo_cell(run, base, warmup)} |")
+            f"| {_digits_hlo_cell(run, base)} |")
     seeds = reference["eval_accuracy"]["runs"]
     lines += ["", f"ResNet-8 on digits, 8 simulated devices, {seeds} seeds, the mean accuracy "
               "and its range; one held-out digit is 0.28%. HLO bytes include BatchNorm's "

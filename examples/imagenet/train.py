@@ -365,14 +365,15 @@ def _state_specs(shapes: TrainState, stacked: bool) -> TrainState:
   )
 
 
-def wire_bytes_from_hlo(compiled_step) -> dict[str, float]:
-  """Bytes one device sends per step, by kind of collective, read from the compiled step.
+def wire_bytes_from_hlo(hlo_text: str) -> dict[str, float]:
+  """Bytes one device sends per step, by kind of collective, read from the compiled step's
+  text.
 
   Besides the gradients' exchange, the step all-reduces BatchNorm's batch
   statistics (and their gradients) and the metrics.
   """
   by_kind: dict[str, float] = {}
-  for collective in qsgd_jax.collectives_in_hlo(compiled_step.as_text()):
+  for collective in qsgd_jax.collectives_in_hlo(hlo_text):
     by_kind[collective.kind] = by_kind.get(collective.kind, 0.0) + collective.bytes_sent
   return by_kind
 
@@ -490,8 +491,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # pmap's compiled program takes global arrays: across processes, call pmap itself.
     multiprocess_pmap = config.parallelism == "pmap" and jax.process_count() > 1
     train_step = mapped.train_step if multiprocess_pmap else compiled_step
-    hlo_bytes = wire_bytes_from_hlo(compiled_step)
-    by_branch = qsgd_jax.wire_bytes_by_branch(compiled_step.as_text())
+    hlo_text = compiled_step.as_text()
+    hlo_bytes = wire_bytes_from_hlo(hlo_text)
+    by_branch = qsgd_jax.wire_bytes_by_branch(hlo_text)
     compile_seconds = time.perf_counter() - start
     num_devices = jax.device_count()
     # XLA's CPU collectives give up after a while: one step at a time there.
